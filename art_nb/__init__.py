@@ -1,0 +1,57 @@
+"""art_nb: train multi-step LLM agents with GRPO + LoRA from a notebook.
+
+Importing this package loads no torch, vLLM, Unsloth or ipywidgets: engines and trainers load
+when a backend first needs them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .backends.base import Backend, TrainResult
+from .config import LoraConfig, ModelConfig, TrainConfig
+from .gather import (
+    DatasetBatch,
+    TooManyExceptionsError,
+    gather_trajectories,
+    gather_trajectory_groups,
+    iterate_dataset,
+    limit_concurrency,
+    retry,
+)
+from .model import Model, TrainableModel
+from .trajectory import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from .backends.local import LocalBackend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "DatasetBatch",
+    "LocalBackend",
+    "LoraConfig",
+    "Model",
+    "ModelConfig",
+    "TooManyExceptionsError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainableModel",
+    "Trajectory",
+    "TrajectoryGroup",
+    "__version__",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "iterate_dataset",
+    "limit_concurrency",
+    "retry",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LocalBackend":
+        from .backends.local import LocalBackend
+
+        return LocalBackend
+    raise AttributeError(f"module 'art_nb' has no attribute {name!r}")

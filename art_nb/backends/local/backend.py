@@ -1,0 +1,361 @@
+"""`LocalBackend`: serve and train in this process, on this machine's CPU or GPU.
+
+One runtime per `path`, shared by every `LocalBackend(path)` object in the process, so re-running
+the notebook cell that makes the backend reuses the engine that is already loaded. The runtime owns
+one engine per base model, one trainer per trainable model, the loopback OpenAI server, and the
+gate that makes requests wait (never fail) while a step trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ... import events
+from ...config import ModelConfig, TrainConfig
+from ...store import ModelStore
+from ...trajectory import Trajectory, TrajectoryGroup
+from ..base import InferenceEndpoint, ProgressCallback, TrainResult
+from .loop import BackgroundLoop
+from .records import summarize, trajectory_record
+
+if TYPE_CHECKING:
+    from ...engines.base import Engine
+    from ...model import Model, TrainableModel
+    from ...trainers.base import Trainer
+
+__all__ = ["LocalBackend", "TrainingStoppedError"]
+
+_log = logging.getLogger("art_nb")
+_RUNTIMES: dict[tuple[Path, str, int], _Runtime] = {}
+
+
+class TrainingStoppedError(RuntimeError):
+    """Too many consecutive updates were non-finite; names the last good checkpoint."""
+
+
+@dataclass
+class _ModelState:
+    model_name: str
+    base_model: str
+    config: ModelConfig
+    store: ModelStore
+    engine: Engine
+    trainer: Trainer
+    step: int
+    choices: dict[str, str] = field(default_factory=dict)  # what was picked automatically, and why
+    loaded_adapters: set[int] = field(default_factory=set)
+    nonfinite_in_row: int = 0
+    train_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def adapter_name(self, step: int) -> str:
+        return f"{self.model_name}@{step}"
+
+
+class _Runtime:
+    """Everything that lives on the backend loop for one `path`."""
+
+    def __init__(self, path: Path, host: str, port: int, api_key: str | None) -> None:
+        self.path, self.host, self.port = path, host, port
+        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"binding the inference server to {host!r} needs an api_key (loopback does not)")
+        # Loopback still gets a random key: other local users cannot drive our engine by accident.
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.loop = BackgroundLoop()
+        self.models: dict[str, _ModelState] = {}
+        self.engines: dict[tuple[str, str], Engine] = {}
+        self.server: Any = None
+        self.gate: Any = None
+        self.base_url = ""
+
+    # ---- server ------------------------------------------------------------------------------
+
+    async def ensure_server(self) -> None:
+        if self.server is not None:
+            return
+        from ...server import InferenceGate, create_app, start_server
+
+        self.gate = InferenceGate()
+        app = create_app(self, self.gate, api_key=self.api_key)
+        self.server = await start_server(app, host=self.host, port=self.port)
+        self.base_url = self.server.base_url
+        _log.info("inference endpoint: %s", self.base_url)
+
+    # ModelRegistry (what the server asks of us)
+    async def resolve(self, model_name: str) -> Any:
+        from ...server import ServedModel
+
+        name, _, step_text = model_name.partition("@")
+        state = self.models.get(name)
+        if state is None:
+            raise KeyError(model_name)
+        if not step_text:
+            step = state.step
+        elif step_text.isdigit():
+            step = int(step_text)
+        else:
+            raise KeyError(model_name)
+        if step == 0:  # a fresh LoRA is the identity: step 0 is the base weights
+            return ServedModel(engine=state.engine, adapter=None, name=state.adapter_name(0))
+        if step not in state.loaded_adapters:
+            if step not in state.store.steps():
+                raise KeyError(model_name)
+            await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step))
+            state.loaded_adapters.add(step)
+        return ServedModel(engine=state.engine, adapter=state.adapter_name(step), name=state.adapter_name(step))
+
+    def list_models(self) -> list[str]:
+        names = []
+        for state in self.models.values():
+            names.append(state.model_name)
+            names.extend(state.adapter_name(s) for s in state.store.steps())
+        return names
+
+    # ---- models ------------------------------------------------------------------------------
+
+    async def register(self, model: TrainableModel) -> dict[str, str]:
+        await self.ensure_server()
+        state = self.models.get(model.name)
+        if state is not None:
+            if state.base_model != model.base_model or state.config != model.config:
+                raise ValueError(
+                    f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
+                    "different config; use a new name, or restart the kernel to change it"
+                )
+            return state.choices
+        state = await self._load(model)
+        self.models[model.name] = state
+        return state.choices
+
+    async def _load(self, model: TrainableModel) -> _ModelState:
+        from ...models import resolve_base_model
+        from .choose import choose_engine, choose_trainer
+
+        store = ModelStore(self.path, model.project, model.name)
+        resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
+        choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})"}
+        engine_kind, choices["engine"] = choose_engine(model.config)
+        trainer_kind, choices["trainer"] = choose_trainer(model.config)
+        for key, why in choices.items():
+            _log.info("%s: %s", key, why)
+
+        engine_key = (str(resolved.path), engine_kind)
+        engine = self.engines.get(engine_key)
+        if engine is None:
+            engine = await _create_engine(engine_kind, resolved.path, model.config)
+            self.engines[engine_key] = engine
+        trainer = await asyncio.to_thread(_create_trainer, trainer_kind, resolved.path, model.config)
+
+        step = store.latest_step()
+        if step is None:  # a new model: its fresh LoRA is checkpoint 0, so resume always has a start
+            step = 0
+            await asyncio.to_thread(store.write_checkpoint, 0, trainer.save, {"base_model": model.base_model})
+        else:
+            await asyncio.to_thread(trainer.load, store.checkpoint_dir(step))
+            choices["resume"] = f"resumed at step {step} from {store.checkpoint_dir(step)} (optimizer state included)"
+            _log.info("resume: %s", choices["resume"])
+        state = _ModelState(model.name, model.base_model, model.config, store, engine, trainer, step, choices)
+        if step > 0:
+            await engine.load_adapter(state.adapter_name(step), store.checkpoint_dir(step))
+            state.loaded_adapters.add(step)
+        return state
+
+    def state(self, model: Model) -> _ModelState:
+        state = self.models.get(model.name)
+        if state is None:
+            raise RuntimeError(f"model {model.name!r} is not registered with this backend")
+        return state
+
+    # ---- training ----------------------------------------------------------------------------
+
+    async def train(
+        self, model: TrainableModel, groups: list[TrajectoryGroup], config: TrainConfig, on_progress: ProgressCallback | None
+    ) -> TrainResult:
+        state = self.state(model)
+        async with state.train_lock:
+            step = state.step
+            started = time.perf_counter()
+            # Nothing lost: the trajectories are on disk before any weight changes.
+            records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
+            await asyncio.to_thread(state.store.append_trajectories, "train", step, records)
+            timings: dict[str, float] = {}
+            mark = time.perf_counter()
+            await self.gate.pause()
+            try:
+                await state.engine.sleep()
+                timings["time/pause"] = time.perf_counter() - mark
+                events.emit("train_started", model=model.name, step=step, groups=len(groups))
+                mark = time.perf_counter()
+                metrics = await asyncio.to_thread(state.trainer.train_step, groups, config)
+                timings["time/train"] = time.perf_counter() - mark
+                self._check_finite(state, metrics, config)
+                mark = time.perf_counter()
+                new_step = step + 1
+                await asyncio.to_thread(
+                    state.store.write_checkpoint, new_step, state.trainer.save, {"base_model": state.base_model}
+                )
+                timings["time/save"] = time.perf_counter() - mark
+                mark = time.perf_counter()
+                await state.engine.wake()
+                await state.engine.load_adapter(state.adapter_name(new_step), state.store.checkpoint_dir(new_step))
+                state.loaded_adapters.add(new_step)
+                for old in sorted(state.loaded_adapters - {new_step}):
+                    await state.engine.unload_adapter(state.adapter_name(old))
+                    state.loaded_adapters.discard(old)
+                state.step = new_step
+                timings["time/swap"] = time.perf_counter() - mark
+            finally:
+                await state.engine.wake()
+                self.gate.resume()
+            timings["time/step_total"] = time.perf_counter() - started
+            metrics = {**metrics, **timings}
+            record = {"step": new_step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in metrics.items()}}
+            await asyncio.to_thread(state.store.append_history, record)
+            events.emit("train_finished", model=model.name, step=new_step, metrics=metrics,
+                        checkpoint=str(state.store.checkpoint_dir(new_step)))
+            return TrainResult(step=new_step, metrics=metrics)
+
+    def _check_finite(self, state: _ModelState, metrics: dict[str, float], config: TrainConfig) -> None:
+        if metrics.get("skipped_nonfinite"):
+            state.nonfinite_in_row += 1
+            _log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                         state.step, state.nonfinite_in_row)
+            if state.nonfinite_in_row >= config.max_nonfinite_steps:
+                raise TrainingStoppedError(
+                    f"{state.nonfinite_in_row} consecutive updates were non-finite; training stopped. The last "
+                    f"good checkpoint is step {state.step} at {state.store.checkpoint_dir(state.step)}"
+                )
+        else:
+            state.nonfinite_in_row = 0
+
+    async def log(
+        self, model: Model, items: list[TrajectoryGroup | Trajectory], split: str, step: int | None,
+        metrics: dict[str, float] | None,
+    ) -> dict[str, float]:
+        state = self.state(model)
+        step = state.step if step is None else step
+        groups = [g if isinstance(g, TrajectoryGroup) else TrajectoryGroup([g]) for g in items]
+        records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
+        await asyncio.to_thread(state.store.append_trajectories, split, step, records)
+        summary = {**summarize(groups), **(metrics or {})}
+        record = {"step": step, "split": split, "time": time.time(), **{f"{split}/{k}": v for k, v in summary.items()}}
+        await asyncio.to_thread(state.store.append_history, record)
+        events.emit("log", model=model.name, step=step, split=split, metrics=summary)
+        return summary
+
+    async def delete_checkpoints(self, model: TrainableModel, steps: Iterable[int] | None, keep_last: int) -> list[int]:
+        state = self.state(model)
+        existing = state.store.steps()
+        targets = set(steps) if steps is not None else set(existing[: max(0, len(existing) - max(keep_last, 1))])
+        targets.discard(state.step)
+        for step in targets & state.loaded_adapters:
+            await state.engine.unload_adapter(state.adapter_name(step))
+            state.loaded_adapters.discard(step)
+        return await asyncio.to_thread(state.store.delete_checkpoints, sorted(targets))
+
+    async def close(self) -> None:
+        for engine in self.engines.values():
+            await engine.close()
+        self.engines.clear()
+        self.models.clear()
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+
+
+async def _create_engine(kind: str, path: Path, config: ModelConfig) -> Engine:
+    if kind == "vllm":
+        from ...engines.vllm import VLLMEngine
+
+        return await VLLMEngine.create(path, config)
+    from ...engines.hf import HFEngine
+
+    return await HFEngine.create(path, config)
+
+
+def _create_trainer(kind: str, path: Path, config: ModelConfig) -> Trainer:
+    if kind == "unsloth":
+        from ...trainers.unsloth import UnslothTrainer
+
+        return UnslothTrainer(path, config)
+    from ...trainers.peft import PeftTrainer
+
+    return PeftTrainer(path, config)
+
+
+class LocalBackend:
+    """Serve and train in this process. `path` is where checkpoints and logs go.
+
+    The inference server binds to 127.0.0.1 on a free port; binding elsewhere requires `api_key`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] = ".art", *, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None) -> None:
+        self.path = Path(path).expanduser().resolve()
+        key = (self.path, host, port)
+        runtime = _RUNTIMES.get(key)
+        if runtime is None:
+            runtime = _RUNTIMES[key] = _Runtime(self.path, host, port, api_key)
+        self._runtime = runtime
+
+    def __repr__(self) -> str:
+        return f"LocalBackend(path={str(self.path)!r})"
+
+    async def register(self, model: Model) -> None:
+        if not model.trainable:
+            raise TypeError(
+                "LocalBackend serves TrainableModels; for a model behind another endpoint, give "
+                "Model(inference_base_url=...) instead of registering it"
+            )
+        await self._runtime.loop.run(self._runtime.register(model))  # type: ignore[arg-type]
+
+    def choices(self, model: Model) -> dict[str, str]:
+        """What was chosen automatically for `model` (engine, trainer, dtype, threads...) and why."""
+        return dict(self._runtime.state(model).choices)
+
+    def inference_endpoint(self, model: Model) -> InferenceEndpoint:
+        return InferenceEndpoint(base_url=self._runtime.base_url, api_key=self._runtime.api_key)
+
+    def inference_model_name(self, model: Model, step: int | None = None) -> str:
+        return model.name if step is None else f"{model.name}@{step}"
+
+    async def get_step(self, model: TrainableModel) -> int:
+        return self._runtime.state(model).step
+
+    async def train(self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig | None = None,
+                    *, on_progress: ProgressCallback | None = None) -> TrainResult:
+        groups = list(groups)
+        for i, group in enumerate(groups):
+            if not isinstance(group, TrajectoryGroup):
+                raise TypeError(f"groups[{i}] is a {type(group).__name__}; train takes gathered TrajectoryGroups")
+            if group.pending:
+                raise ValueError(f"groups[{i}] has rollouts that were never awaited: gather them first")
+        return await self._runtime.loop.run(self._runtime.train(model, groups, config or TrainConfig(), on_progress))
+
+    async def log(self, model: Model, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
+                  step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
+        return await self._runtime.loop.run(self._runtime.log(model, list(trajectories), split, step, metrics))
+
+    async def delete_checkpoints(self, model: TrainableModel, steps: Iterable[int] | None = None,
+                                 keep_last: int = 1) -> list[int]:
+        steps = None if steps is None else list(steps)
+        return await self._runtime.loop.run(self._runtime.delete_checkpoints(model, steps, keep_last))
+
+    def checkpoint_dir(self, model: TrainableModel, step: int | None = None) -> Path:
+        state = self._runtime.state(model)
+        return state.store.checkpoint_dir(state.step if step is None else step)
+
+    def model_dir(self, model: Model) -> Path:
+        return self._runtime.state(model).store.dir
+
+    async def close(self) -> None:
+        """Stop the engine and server for this path (the next register starts fresh)."""
+        await self._runtime.loop.run(self._runtime.close())
+        _RUNTIMES.pop((self._runtime.path, self._runtime.host, self._runtime.port), None)

@@ -1,0 +1,48 @@
+"""A private event loop in a daemon thread: where the engine, server and trainer live.
+
+Why not the caller's loop: `asyncio.run` in a script makes a new loop per call and closes it
+afterwards, which would kill an engine and server that should outlive the call; a notebook's loop
+only runs while a cell awaits. Living on our own loop, the engine keeps serving across cells and
+across `asyncio.run` calls, and user code crosses over with one `await`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["BackgroundLoop"]
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    def __init__(self, name: str = "art_nb-backend") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def is_current(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await `coro` on the background loop from any loop. Cancelling the caller cancels it there."""
+        if self.is_current():
+            return await coro
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return await asyncio.wrap_future(future)
+
+    def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Blocking variant for synchronous callers (CLI, atexit)."""
+        if self.is_current():
+            raise RuntimeError("run_sync called from the backend loop itself")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

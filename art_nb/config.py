@@ -1,0 +1,66 @@
+"""Validated knobs: `ModelConfig` (how the model is served and trained) and `TrainConfig` (one step).
+
+Defaults are chosen for the common case (LoRA on an instruct model, one optimizer step per batch
+of groups); every rejected value says what would be accepted instead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ModelConfig", "TrainConfig", "LoraConfig"]
+
+_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(8, ge=1, le=512)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = _ALL_LINEAR
+
+
+class ModelConfig(BaseModel):
+    """How a `TrainableModel` is served and trained. `"auto"` picks from the hardware, with a reason."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    trainer: Literal["auto", "peft", "unsloth"] = "auto"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    max_seq_len: int = Field(2048, ge=64, description="prompt + completion tokens, for serving and training")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    load_in_4bit: bool = False
+    cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; None = chosen and reported")
+    max_batch_size: int = Field(64, ge=1, description="sequences the transformers engine decodes at once")
+    gpu_memory_utilization: float | None = Field(None, gt=0, lt=1, description="vLLM's share; None = auto")
+    seed: int = 0
+
+
+class TrainConfig(BaseModel):
+    """One GRPO step. ART's `TrainConfig(learning_rate=...)` ports unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(5e-5, gt=0, le=1)
+    loss: Literal["ppo", "cispo"] = "ppo"
+    epsilon: float = Field(0.2, gt=0, description="PPO clip below 1 (and above, unless epsilon_high)")
+    epsilon_high: float | None = Field(None, gt=0, description="asymmetric upper clip (DAPO 'clip higher')")
+    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    microbatch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward; lower saves memory")
+    logprob_chunk_tokens: int = Field(512, ge=16, description="positions per lm_head chunk when taking logprobs")
+    max_nonfinite_steps: int = Field(3, ge=1, description="consecutive skipped updates before training stops")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.loss == "cispo" and self.epsilon_high is None:
+            # CISPO clips only the importance weight from above; give it the paper's default.
+            self.epsilon_high = 4.0
+        return self

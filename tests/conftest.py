@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny ChatML tokenizer built in-process, so token tests need no model download."""
+
+from __future__ import annotations
+
+import pytest
+
+# ChatML as SmolLM2 writes it (a default system prompt when none is given), plus tools and tool calls
+# the way Qwen-style ChatML templates render them.
+CHATML_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = messages[0]['content'] -%}{%- set rest = messages[1:] -%}"
+    "{%- else -%}{%- set system = 'You are a helpful assistant.' -%}{%- set rest = messages -%}{%- endif -%}"
+    "{{- '<|im_start|>system\\n' + system -}}"
+    "{%- if tools -%}{{- '\\n\\n# Tools\\n' -}}{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- for message in rest -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + call['function']['arguments'] + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_CORPUS = [
+    "You are a helpful assistant. What is two plus two? Two plus two is four.",
+    "The weather in Paris is sunny today. Call the tool get_weather with the city name.",
+    'Tool results: {"city": "Paris", "temperature": 21}. Thanks, that is all.',
+    "system user assistant tool <tool_call> </tool_call> name arguments",
+] * 4
+
+
+def build_chatml_tokenizer(template: str = CHATML_TEMPLATE):
+    """A byte-level BPE (so every string round-trips exactly) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=template,
+    )
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    return build_chatml_tokenizer()
