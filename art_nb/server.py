@@ -323,7 +323,7 @@ def _render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
 
 def _sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: int) -> SamplingParams:
     room = max_context - prompt_len
-    max_tokens = req.max_completion_tokens or req.max_tokens or room
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)  # default: fill the context
     if max_tokens > room:
         raise _APIError(
             400,

@@ -114,7 +114,7 @@ class _Walk:
         self.fallbacks = 0
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        if not messages and not generation_prompt:
+        if not messages:  # a trajectory that opens with a Choice; templates reject empty conversations
             return ""
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False

@@ -36,7 +36,7 @@ CHATML = (
     "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
     "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{%- if m.role == 'tool' %}[{{ m.tool_call_id }}] {% endif %}{{ m.content or '' }}"
+    "{% if m.role == 'tool' %}[{{ m.tool_call_id }}] {% endif %}{{ m.content or '' }}"
     "{%- for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
     "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -198,7 +198,7 @@ async def test_stop_string_cuts_content_but_keeps_sampled_ids(h: Harness, tokeni
 
 async def test_stop_as_a_single_string(h: Harness) -> None:
     h.engine.script = lambda i: "one, two, three"
-    out = await h.client.chat.completions.create(model="agent", messages=_user("count"), stop=", t")
+    out = await h.client.chat.completions.create(model="agent", messages=_user("count"), stop=", th")
     assert out.choices[0].message.content == "one, two"
     assert out.choices[0].finish_reason == "stop"
 
