@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 _MAX_N = 256
+_MIN_LOGPROB = -9999.0
 
 
 # --- what the backend provides ------------------------------------------------------------------
@@ -78,8 +80,12 @@ class ServedModel:
 
 
 class ModelRegistry(Protocol):
-    def resolve(self, model_name: str) -> ServedModel:
-        """The model to serve for `model_name` ("{name}" or "{name}@{step}"); KeyError if unknown."""
+    def resolve(self, model_name: str) -> ServedModel | Awaitable[ServedModel]:
+        """The model to serve for `model_name` ("{name}" or "{name}@{step}"); KeyError if unknown.
+
+        May be async (e.g. to load an old step's adapter on first use); it is called inside the
+        gate, so such loading never overlaps a train step.
+        """
         ...
 
     def list_models(self) -> list[str]: ...
@@ -208,8 +214,11 @@ class _Message(BaseModel):
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """The dict a chat template expects; tool-call arguments as objects, not JSON strings."""
+        """The dict a chat template expects: content a string, tool-call arguments objects (as HF
+        templates expect; a JSON string would be rendered quoted)."""
         message = self.model_dump(exclude_none=True)
+        # Many templates concatenate content as a string; "" and None mean the same to the rest.
+        message.setdefault("content", "")
         for call in message.get("tool_calls", []):
             with contextlib.suppress(json.JSONDecodeError):
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
@@ -400,9 +409,12 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
         for token_id, logprob in zip(ids, logprobs, strict=True):
             # Per-token text: a token holding part of a UTF-8 character decodes to U+FFFD.
             token = tokenizer.decode([token_id])
-            entries.append(
-                {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []}
-            )
+            entries.append({
+                "token": token,
+                "logprob": max(logprob, _MIN_LOGPROB),  # JSON has no -inf
+                "bytes": list(token.encode()),
+                "top_logprobs": [],
+            })
         choice["logprobs"] = {"content": entries, "refusal": None}
     return choice
 
@@ -450,6 +462,8 @@ def create_app(registry: ModelRegistry, gate: InferenceGate, api_key: str | None
         async with gate.serving():
             try:
                 served = registry.resolve(req.model)
+                if inspect.isawaitable(served):
+                    served = await served
             except KeyError:
                 raise _APIError(
                     404, f"model {req.model!r} is not served here; see GET /v1/models",
@@ -550,6 +564,7 @@ async def start_server(
     deadline = time.monotonic() + startup_timeout
     while not server.started:
         if task.done():
+            sock.close()
             task.result()  # raises what stopped it
             raise RuntimeError("the server exited during startup")
         if time.monotonic() > deadline:

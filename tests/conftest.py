@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny ChatML tokenizer built in-process, so token tests need no model download."""
+"""Shared test helpers: a tiny ChatML tokenizer built in-process (no download), endpoint-like Choices."""
 
 from __future__ import annotations
 
@@ -53,6 +53,33 @@ def build_chatml_tokenizer(template: str = CHATML_TEMPLATE):
         pad_token="<|endoftext|>",
         chat_template=template,
     )
+
+
+def char_ids(tokenizer, text: str) -> list[int]:
+    """One id per character: a valid but non-canonical tokenisation, as a sampler may produce."""
+    return [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+
+
+def make_choice(tokenizer, text: str, *, eos: bool = True, tool_calls=None, send_ids: bool = True):
+    """A Choice as our endpoint returns it: `token_ids` extra field and one logprob per sampled id."""
+    from openai.types.chat.chat_completion import Choice
+
+    ids = char_ids(tokenizer, text) + ([tokenizer.eos_token_id] if eos else [])
+    logprobs = [-0.01 * (n + 1) for n in range(len(ids))]
+    data = {
+        "index": 0,
+        "finish_reason": ("tool_calls" if tool_calls else "stop") if eos else "length",
+        "message": {"role": "assistant", "content": None if tool_calls else text, "tool_calls": tool_calls},
+        "logprobs": {
+            "content": [
+                {"token": str(i), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for i, lp in zip(ids, logprobs)
+            ]
+        },
+    }
+    if send_ids:
+        data["token_ids"] = ids
+    return Choice.model_validate(data)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIRECTIONS",
+    "EXAMPLE_TURN",
     "SYSTEM_PROMPT",
     "Game2048",
     "Game2048Scenario",
@@ -226,12 +227,25 @@ class Game2048:
 
 SYSTEM_PROMPT = """\
 You are playing 2048. Moving slides every tile as far as it goes; two equal tiles that meet merge.
-Reply with one move inside a move tag and nothing else, for example: <move>left</move>"""
+Reply with one valid move inside a move tag and nothing else, for example: <move>left</move>"""
 
 
 def user_message(board: Board) -> str:
-    """What the model sees each turn: the board and the moves that would change it."""
-    return f"{render(board)}\n\nValid moves: {', '.join(valid_moves(board))}\nYour move?"
+    """What the model sees each turn: the board, the moves that change it, and the format again."""
+    return (
+        f"{render(board)}\n\n"
+        f"Valid moves: {', '.join(valid_moves(board))}\n"
+        "Reply with one valid move in a move tag, like <move>left</move>."
+    )
+
+
+_EXAMPLE_BOARD: Board = ((2, 0, 0, 2), (0, 4, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0))
+EXAMPLE_TURN: list[dict[str, str]] = [
+    {"role": "user", "content": user_message(_EXAMPLE_BOARD)},
+    {"role": "assistant", "content": "<move>right</move>"},
+]
+"""A worked turn shown before the game: a small model follows a shown exchange far more often than
+an instruction. Context only (an assistant dict, not a Choice), so it is never trained on."""
 
 
 async def rollout(
@@ -246,7 +260,7 @@ async def rollout(
     client = model.openai_client()
     game = Game2048(scenario)
     trajectory = Trajectory(
-        messages_and_choices=[{"role": "system", "content": SYSTEM_PROMPT}],
+        messages_and_choices=[{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE_TURN],
         metadata={"seed": scenario.seed, "target": scenario.target},
     )
     while not game.over:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CELLS",
+    "EXAMPLE_TURN",
     "SYSTEM_PROMPT",
     "TicTacToeGame",
     "TicTacToeScenario",
@@ -193,12 +194,22 @@ Reply with one legal move inside a move tag and nothing else, for example: <move
 
 
 def user_message(board: Board) -> str:
-    """What the model sees each turn: the board and its legal moves.
+    """What the model sees each turn: the board, its legal moves, and the answer format again."""
+    return (
+        f"{render(board)}\n\n"
+        f"Legal moves: {', '.join(legal_moves(board))}\n"
+        "Reply with one legal move in a move tag, like <move>B2</move>."
+    )
 
-    No per-turn example answer: a small model copies examples, and copying a legal move would
-    hide whether it can pick one. The one example, B2, sits in the system prompt.
-    """
-    return f"{render(board)}\n\nLegal moves: {', '.join(legal_moves(board))}\nYour move?"
+
+EXAMPLE_TURN: list[dict[str, str]] = [
+    {"role": "user", "content": user_message(place(empty_board(), "A1", OPPONENT_MARK))},
+    {"role": "assistant", "content": "<move>C3</move>"},
+]
+"""A worked turn shown before the game. Instructions alone do not reach SmolLM2-135M-Instruct
+(0 of 40 sampled first replies held a move tag); after this one example about a third are legal
+moves, so rewards within a group differ and GRPO has something to learn from. It is context only:
+an assistant dict, not a Choice, so it is never trained on."""
 
 
 async def rollout(
@@ -213,7 +224,7 @@ async def rollout(
     client = model.openai_client()
     game = TicTacToeGame(scenario)
     trajectory = Trajectory(
-        messages_and_choices=[{"role": "system", "content": SYSTEM_PROMPT}],
+        messages_and_choices=[{"role": "system", "content": SYSTEM_PROMPT}, *EXAMPLE_TURN],
         metadata={"seed": scenario.seed},
     )
     while not game.over:

@@ -3,7 +3,8 @@
 Shapes: a batch of B right-padded sequences of length T predicts T-1 tokens each, so logprobs,
 old logprobs and masks are [B, T-1] and advantages are [B] (one per trajectory, broadcast over
 its tokens). Each loss is a per-token mean within a trajectory, returned per trajectory [B],
-so the caller can weigh every trajectory equally however long it is.
+so the caller can weigh every trajectory equally however long it is. Old logprobs outside the
+mask are ignored (NaN is fine there: prompt and padding have none).
 
 Departures from the papers, on purpose:
 - PPO-clip as in GRPO (DeepSeekMath) but with no KL-to-reference term; `epsilon_high` gives the
@@ -83,7 +84,7 @@ def ppo_clip_loss(
     smaller one, i.e. whose gradient the clip removed.
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(logprobs - _outside_mask_as_current(old_logprobs, logprobs, mask))
     advantages = advantages.unsqueeze(-1)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
@@ -104,8 +105,19 @@ def cispo_loss(
     Unlike PPO, a clipped token keeps its gradient (through logprob); only its weight is capped.
     Returns (loss [B], clip_fraction): the share of masked tokens whose weight was capped.
     """
-    ratio = torch.exp(logprobs - old_logprobs).detach()
+    ratio = torch.exp(logprobs - _outside_mask_as_current(old_logprobs, logprobs, mask)).detach()
     weight = torch.clamp(ratio, max=1 + epsilon_high)
     loss = -masked_mean(weight * advantages.unsqueeze(-1) * logprobs, mask, dim=-1)
     clip_fraction = masked_mean((ratio > 1 + epsilon_high).float(), mask)
     return loss, clip_fraction
+
+
+def _outside_mask_as_current(
+    old_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Old logprobs with untrained positions set to the current ones (ratio 1 there).
+
+    Padding and prompt positions carry NaN old logprobs; even masked out of the mean, a NaN ratio
+    would turn the zero gradient there into NaN.
+    """
+    return torch.where(mask.bool(), old_logprobs, logprobs.detach())

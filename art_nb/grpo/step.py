@@ -29,14 +29,18 @@ __all__ = ["grpo_step", "microbatches"]
 
 
 def grpo_step(
-    model: Any, optimizer: torch.optim.Optimizer, batch: PreparedBatch, config: TrainConfig, device: Any = "cpu"
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: PreparedBatch,
+    config: TrainConfig,
+    device: Any = "cpu",
 ) -> dict[str, float]:
     """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
 
     Metrics: loss, entropy (mean over trained tokens), grad_norm, clip_fraction (share of trained
-    tokens clipped), tokens_trained (0 when skipped), trajectories, mismatch_kl (KL from engine to trainer, k3
-    estimator, over trained tokens that have engine logprobs), skipped_nonfinite. An empty batch
-    returns zeros and does not step.
+    tokens clipped), tokens_trained (0 when skipped), trajectories, mismatch_kl (KL from engine to
+    trainer, k3 estimator, over trained tokens that have engine logprobs), skipped_nonfinite.
+    An empty batch returns zeros and does not step.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
@@ -44,12 +48,16 @@ def grpo_step(
     totals = _Totals()
     for group in microbatches(items, config.microbatch_tokens):
         mb = _collate(group, device)
-        logprobs, entropy = token_logprobs(model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens)
+        logprobs, entropy = token_logprobs(
+            model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens
+        )
         known = torch.isfinite(mb.engine_logprobs) & mb.mask
         old = torch.where(known, mb.engine_logprobs, logprobs.detach())
         if config.loss == "cispo":
             assert config.epsilon_high is not None  # TrainConfig sets CISPO's default
-            per_trajectory, clip_fraction = cispo_loss(logprobs, old, mb.advantages, mb.mask, config.epsilon_high)
+            per_trajectory, clip_fraction = cispo_loss(
+                logprobs, old, mb.advantages, mb.mask, config.epsilon_high
+            )
         else:
             per_trajectory, clip_fraction = ppo_clip_loss(
                 logprobs, old, mb.advantages, mb.mask, config.epsilon, config.epsilon_high
@@ -144,8 +152,10 @@ class _Totals:
         self.tokens += tokens
         self.entropy += float(masked_mean(entropy, mb.mask)) * tokens
         self.clipped += float(clip_fraction) * tokens
-        # k3 estimate of KL(engine || trainer) from the engine's samples: r - 1 - log r, r = p_train/p_engine.
-        log_ratio = torch.where(known, logprobs - torch.nan_to_num(mb.engine_logprobs), torch.zeros_like(logprobs))
+        # k3 estimate of KL(engine || trainer) from the engine's samples: r - 1 - log r,
+        # r = p_trainer / p_engine. Non-negative per token, and 0 when the two agree.
+        log_ratio = logprobs - torch.nan_to_num(mb.engine_logprobs)
+        log_ratio = torch.where(known, log_ratio, torch.zeros_like(log_ratio))
         self.kl += float((torch.exp(log_ratio) - 1 - log_ratio).sum())
         self.kl_tokens += int(known.sum())
 

@@ -75,19 +75,18 @@ def tokenize_trajectory(tokenizer: Any, trajectory: Trajectory, max_seq_len: int
     """
     items = trajectory.messages_and_choices
     messages = trajectory.messages()
-    choice_at = [k for k, item in enumerate(items) if isinstance(item, Choice)]
     walk = _Walk(tokenizer, trajectory.tools)
-    if not choice_at:
+    if not any(isinstance(item, Choice) for item in items):
         walk.add_prompt(walk.render(messages, generation_prompt=False))
-    for k in choice_at:
+    for k, choice in enumerate(items):
+        if not isinstance(choice, Choice):
+            continue
         before = walk.render(messages[:k], generation_prompt=True)
         walk.pending += walk.delta(before)
         walk.flush()
         after = walk.render(messages[: k + 1], generation_prompt=False)
         turn = after[len(before) :] if after.startswith(before) else None
         end_of_turn = walk.end_of_turn(messages[:k])
-        choice = items[k]
-        assert isinstance(choice, Choice)
         ids = sampled_token_ids(choice)
         if ids is None:
             walk.add_retokenized(choice, turn, end_of_turn)

@@ -6,33 +6,26 @@ import json
 import math
 
 import pytest
-from conftest import CHATML_TEMPLATE, build_chatml_tokenizer
+from conftest import CHATML_TEMPLATE, build_chatml_tokenizer, char_ids, make_choice
 
 from art_nb.grpo.tokens import tokenize_trajectory
-from art_nb.trajectory import Choice, Trajectory
+from art_nb.trajectory import Trajectory
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
-def char_ids(tokenizer, text: str) -> list[int]:
-    """One id per character: a valid but non-canonical tokenisation, as a sampler may produce."""
-    return [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+def sampled(*choices) -> list[list[int]]:
+    return [c.model_extra["token_ids"] for c in choices]
 
 
-def make_choice(tokenizer, text: str, *, eos: bool = True, tool_calls=None, send_ids: bool = True) -> Choice:
-    ids = char_ids(tokenizer, text) + ([tokenizer.eos_token_id] if eos else [])
-    logprobs = [-0.01 * (n + 1) for n in range(len(ids))]
-    data = {
-        "index": 0,
-        "finish_reason": ("tool_calls" if tool_calls else "stop") if eos else "length",
-        "message": {"role": "assistant", "content": None if tool_calls else text, "tool_calls": tool_calls},
-        "logprobs": {
-            "content": [{"token": str(i), "logprob": lp, "bytes": None, "top_logprobs": []} for i, lp in zip(ids, logprobs)]
-        },
-    }
-    if send_ids:
-        data["token_ids"] = ids
-    return Choice.model_validate(data)
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render(tokenizer, messages, generation_prompt: bool = False, tools=None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+    )
 
 
 def runs(mask: list[bool], values: list) -> list[list]:
@@ -62,15 +55,15 @@ def test_two_choices_are_token_exact_and_the_rest_is_the_template(chatml_tokeniz
     )
     out = tokenize_trajectory(tok, trajectory, max_seq_len=4096)
 
-    assert char_ids(tok, "Two plus two is four.") != tok.encode("Two plus two is four.", add_special_tokens=False)
-    assert runs(out.assistant_mask, out.input_ids) == [first.model_extra["token_ids"], second.model_extra["token_ids"]]
+    assert char_ids(tok, "Two plus two is four.") != encode(tok, "Two plus two is four.")  # not canonical
+    assert runs(out.assistant_mask, out.input_ids) == sampled(first, second)
     expected_lp = [[lp.logprob for lp in c.logprobs.content] for c in (first, second)]
     assert runs(out.assistant_mask, out.engine_logprobs) == expected_lp
     assert all(math.isnan(lp) for lp, m in zip(out.engine_logprobs, out.assistant_mask) if not m)
-    rendered = tok.apply_chat_template(trajectory.messages(), tokenize=False)
+    rendered = render(tok, trajectory.messages())
     assert tok.decode(out.input_ids) == rendered
     # The prompt is what the engine tokenised: the whole generation-prompt render, in one piece.
-    prompt = tok.encode(tok.apply_chat_template(trajectory.messages()[:2], add_generation_prompt=True, tokenize=False))
+    prompt = encode(tok, render(tok, trajectory.messages()[:2], generation_prompt=True))
     assert out.input_ids[: len(prompt)] == prompt
     assert out.assistant_mask[len(prompt)] and not out.assistant_mask[len(prompt) - 1]
     assert (out.truncated, out.retokenized_choices, out.template_fallbacks) == (False, 0, 0)
@@ -79,7 +72,8 @@ def test_two_choices_are_token_exact_and_the_rest_is_the_template(chatml_tokeniz
 
 def test_tool_calls_and_tool_results(chatml_tokenizer):
     tok = chatml_tokenizer
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    call = {"id": "call_1", "type": "function", "function": function}
     call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     calling = make_choice(tok, call_text, tool_calls=[call])
     answer = make_choice(tok, "It is 21 degrees.")
@@ -94,24 +88,27 @@ def test_tool_calls_and_tool_results(chatml_tokenizer):
     )
     out = tokenize_trajectory(tok, trajectory, max_seq_len=4096)
 
-    rendered = tok.apply_chat_template(trajectory.messages(), tools=TOOLS, tokenize=False)
+    rendered = render(tok, trajectory.messages(), tools=TOOLS)
     assert "# Tools" in rendered and "<|im_start|>tool\n" in rendered
     assert tok.decode(out.input_ids) == rendered
-    assert runs(out.assistant_mask, out.input_ids) == [calling.model_extra["token_ids"], answer.model_extra["token_ids"]]
+    assert runs(out.assistant_mask, out.input_ids) == sampled(calling, answer)
 
 
 def test_post_processed_choice_does_not_repeat_the_sampled_eos(chatml_tokenizer):
     tok = chatml_tokenizer
     # The model wrote compact JSON; the template re-renders the parsed call with spaces.
-    sampled = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
-    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    choice = make_choice(tok, sampled, tool_calls=[call])
-    trajectory = Trajectory(messages_and_choices=[{"role": "user", "content": "Weather?"}, choice], tools=TOOLS)
+    compact = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    call = {"id": "c", "type": "function", "function": function}
+    choice = make_choice(tok, compact, tool_calls=[call])
+    trajectory = Trajectory(
+        messages_and_choices=[{"role": "user", "content": "Weather?"}, choice], tools=TOOLS
+    )
     out = tokenize_trajectory(tok, trajectory, max_seq_len=4096)
 
     text = tok.decode(out.input_ids)
-    assert text.endswith(sampled + "<|im_end|>\n")
-    assert runs(out.assistant_mask, out.input_ids) == [choice.model_extra["token_ids"]]
+    assert text.endswith(compact + "<|im_end|>\n")
+    assert runs(out.assistant_mask, out.input_ids) == sampled(choice)
 
 
 def test_choice_without_token_ids_is_retokenised(chatml_tokenizer):
@@ -121,9 +118,9 @@ def test_choice_without_token_ids_is_retokenised(chatml_tokenizer):
     out = tokenize_trajectory(tok, trajectory, max_seq_len=4096)
 
     assert out.retokenized_choices == 1
-    assert tok.decode(out.input_ids) == tok.apply_chat_template(trajectory.messages(), tokenize=False)
+    assert tok.decode(out.input_ids) == render(tok, trajectory.messages())
     trained = runs(out.assistant_mask, out.input_ids)
-    assert trained == [tok.encode("Four.", add_special_tokens=False) + [tok.eos_token_id]]
+    assert trained == [encode(tok, "Four.") + [tok.eos_token_id]]
     assert all(math.isnan(lp) for lp in out.engine_logprobs)  # unknown: the trainer uses its own
 
 
@@ -135,7 +132,8 @@ def test_truncation_cuts_at_max_seq_len(chatml_tokenizer):
     cut = tokenize_trajectory(tok, trajectory, max_seq_len=len(full.input_ids) - 10)
 
     assert not full.truncated and cut.truncated
-    assert len(cut.input_ids) == len(cut.assistant_mask) == len(cut.engine_logprobs) == len(full.input_ids) - 10
+    assert len(cut.input_ids) == len(full.input_ids) - 10
+    assert len(cut.assistant_mask) == len(cut.engine_logprobs) == len(cut.input_ids)
     assert cut.input_ids == full.input_ids[: len(cut.input_ids)]
     assert 0 < cut.trainable_tokens < full.trainable_tokens
 
@@ -171,8 +169,8 @@ def test_template_that_rewrites_history_falls_back_without_duplicating_text():
     out = tokenize_trajectory(tok, trajectory, max_seq_len=4096)
 
     assert out.template_fallbacks == 1
-    assert runs(out.assistant_mask, out.input_ids) == [first.model_extra["token_ids"], second.model_extra["token_ids"]]
-    head = tok.apply_chat_template(trajectory.messages()[:2], tokenize=False)
+    assert runs(out.assistant_mask, out.input_ids) == sampled(first, second)
+    head = render(tok, trajectory.messages()[:2])
     expected = head + "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\nSunny.<|im_end|>\n"
     assert tok.decode(out.input_ids) == expected
 

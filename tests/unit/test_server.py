@@ -67,6 +67,9 @@ class ScriptedEngine:
     def __init__(self, tokenizer: Any, max_context: int = 512) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.reset()
+
+    def reset(self) -> None:
         self.script: Callable[[int], str] = lambda i: f"answer {i}"
         self.requests: list[GenerationRequest] = []
         self.fail_with: Exception | None = None
@@ -127,12 +130,21 @@ async def _serve(tokenizer: Any, api_key: str | None = None) -> Harness:
     return Harness(engine, registry, gate, server)
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def h(tokenizer: Any) -> AsyncIterator[Harness]:
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def _shared(tokenizer: Any) -> AsyncIterator[Harness]:
     harness = await _serve(tokenizer)
     yield harness
     await harness.client.close()
     await harness.server.stop()
+
+
+@pytest.fixture
+def h(_shared: Harness) -> Harness:
+    """The module's server with a fresh engine script, request log and an open gate."""
+    _shared.engine.reset()
+    _shared.registry.latest = "agent@3"
+    _shared.gate.resume()
+    return _shared
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -147,7 +159,7 @@ async def test_lists_models(h: Harness) -> None:
 
 async def test_n_choices_carry_token_ids_and_logprobs(h: Harness, tokenizer: Any) -> None:
     out = await h.client.chat.completions.create(
-        model="agent", messages=_user("hi"), n=3, logprobs=True, temperature=0.7, top_p=0.9, seed=5
+        model="agent", messages=_user("hi"), n=3, logprobs=True, top_logprobs=0, temperature=0.7, top_p=0.9, seed=5
     )
     assert out.model == "agent"
     assert len(out.choices) == 3
@@ -345,6 +357,28 @@ async def test_conversation_with_tool_results_is_rendered(h: Harness, tokenizer:
     assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in prompt
     assert "<|im_start|>tool\n[call_1] 5<|im_end|>" in prompt
     assert "<|im_start|>user\n2+3?<|im_end|>" in prompt
+
+
+class AsyncRegistry(Registry):
+    """A registry whose resolve is a coroutine (the local backend loads old adapters lazily)."""
+
+    async def resolve(self, model_name: str) -> ServedModel:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return super().resolve(model_name)
+
+
+async def test_async_registry_is_awaited(tokenizer: Any) -> None:
+    engine = ScriptedEngine(tokenizer)
+    server = await start_server(create_app(AsyncRegistry(engine), InferenceGate()))
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    try:
+        out = await client.chat.completions.create(model="agent@4", messages=_user("hi"))
+        assert out.model == "agent@4" and engine.requests[0].adapter == "agent@4"
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="agent@9", messages=_user("hi"))
+    finally:
+        await client.close()
+        await server.stop()
 
 
 async def test_api_key_required_when_set(tokenizer: Any) -> None:

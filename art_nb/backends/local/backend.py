@@ -185,6 +185,10 @@ class _Runtime:
             # Nothing lost: the trajectories are on disk before any weight changes.
             records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
             await asyncio.to_thread(state.store.append_trajectories, "train", step, records)
+            rollouts = summarize(groups)
+            await asyncio.to_thread(state.store.append_history, {
+                "step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in rollouts.items()}})
+            events.emit("log", model=model.name, step=step, split="train", metrics=rollouts)
             timings: dict[str, float] = {}
             mark = time.perf_counter()
             await self.gate.pause()
@@ -216,7 +220,8 @@ class _Runtime:
                 self.gate.resume()
             timings["time/step_total"] = time.perf_counter() - started
             metrics = {**metrics, **timings}
-            record = {"step": new_step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in metrics.items()}}
+            # The update made from step `step`'s rollouts; its weights are served as `new_step`.
+            record = {"step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in metrics.items()}}
             await asyncio.to_thread(state.store.append_history, record)
             events.emit("train_finished", model=model.name, step=new_step, metrics=metrics,
                         checkpoint=str(state.store.checkpoint_dir(new_step)))

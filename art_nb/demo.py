@@ -1,0 +1,118 @@
+"""The main job: a small model learns tic-tac-toe against a random opponent, on whatever is here.
+
+Straight-line on purpose (it is the script a user reads first): evaluate the base model on fixed
+games, train with GRPO for `steps` steps, evaluate the trained LoRA on the same games, print the
+before/after table and save the reward curve. Re-running resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import art_nb as art
+from art_nb.envs import tic_tac_toe as ttt
+
+__all__ = ["DemoConfig", "run_demo", "format_table"]
+
+
+@dataclass
+class DemoConfig:
+    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    name: str = "tic-tac-toe-demo"
+    project: str = "demo"
+    path: str = ".art"
+    steps: int = 8
+    groups_per_step: int = 4
+    rollouts_per_group: int = 8
+    learning_rate: float = 2e-4
+    eval_games: int = 64
+    eval_seed: int = 10_000
+    seed: int = 0
+    lora_rank: int = 16
+    out: str = "out/demo"
+
+
+def format_table(before: dict[str, float], after: dict[str, float], labels: tuple[str, str]) -> str:
+    rows = [("valid-move rate", "valid_move_rate"), ("win rate", "win"), ("draw rate", "draw"),
+            ("loss rate", "loss"), ("invalid-game rate", "invalid"), ("mean reward", "reward")]
+    width = max(len(label) for label in labels) + 2
+    lines = [f"{'':20}{labels[0]:>{width}}{labels[1]:>{width}}"]
+    for title, key in rows:
+        lines.append(f"{title:20}{before[key]:>{width}.3f}{after[key]:>{width}.3f}")
+    return "\n".join(lines)
+
+
+async def run_demo(config: DemoConfig) -> dict[str, Any]:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = art.TrainableModel(
+        name=config.name,
+        project=config.project,
+        base_model=config.base_model,
+        config=art.ModelConfig(max_seq_len=1024, lora=art.LoraConfig(rank=config.lora_rank, alpha=2 * config.lora_rank),
+                               seed=config.seed),
+    )
+    backend = art.LocalBackend(path=config.path)
+    await model.register(backend)
+    for key, why in backend.choices(model).items():
+        print(f"  {key}: {why}")
+
+    print(f"\nEvaluating the base model on {config.eval_games} fixed games (seed {config.eval_seed}, greedy)...")
+    before = await ttt.evaluate(model, config.eval_games, config.eval_seed, inference_name=model.get_inference_name(0),
+                                concurrency=32)
+
+    train_config = art.TrainConfig(learning_rate=config.learning_rate)
+    step_seconds: list[float] = []
+    start = await model.get_step()
+    if start >= config.steps:
+        print(f"Already trained {start} steps (>= {config.steps}); evaluating only.")
+    for step in range(start, config.steps):
+        started = time.perf_counter()
+        seeds = [config.seed * 1_000_000 + step * 1000 + g for g in range(config.groups_per_step)]
+        groups = await art.gather_trajectory_groups(
+            (art.TrajectoryGroup(ttt.rollout(model, ttt.TicTacToeScenario(seed=s)) for _ in range(config.rollouts_per_group))
+             for s in seeds),
+            pbar_desc=f"step {step + 1}/{config.steps} rollouts",
+            max_exceptions=0.1,
+        )
+        result = await model.train(groups, config=train_config)
+        step_seconds.append(time.perf_counter() - started)
+        m = result.metrics
+        print(f"step {result.step}: reward {m.get('reward_mean', float('nan')):.3f}  loss {m.get('loss', float('nan')):+.4f}"
+              f"  zero-variance groups {int(m.get('zero_variance_groups', 0))}/{int(m.get('groups', 0))}"
+              f"  rollout+train {step_seconds[-1]:.1f}s (train {m.get('time/train', 0):.1f}s)")
+
+    trained_step = await model.get_step()
+    print(f"\nEvaluating step {trained_step} on the same {config.eval_games} games...")
+    after = await ttt.evaluate(model, config.eval_games, config.eval_seed, concurrency=32)
+    await model.log([art.TrajectoryGroup([])], split="val", metrics={f"eval_{k}": v for k, v in after.items()})
+
+    labels = ("base", f"step {trained_step}")
+    table = format_table(before, after, labels)
+    print(f"\n{table}\n")
+
+    from art_nb.notebook.plots import plot_reward_curve
+
+    history = backend._runtime.state(model).store.read_history()
+    png = out / "reward_curve.png"
+    plot_reward_curve(history, png, title=f"{config.name}: tic-tac-toe reward per step")
+    summary = {
+        "config": asdict(config),
+        "base": before,
+        "trained": after,
+        "trained_step": trained_step,
+        "seconds_per_step": step_seconds,
+        "checkpoint": str(backend.checkpoint_dir(model)),
+        "reward_curve": str(png),
+        "choices": backend.choices(model),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "table.txt").write_text(table + "\n")
+    print(f"reward curve: {png}\nsummary: {out / 'summary.json'}\ncheckpoint: {summary['checkpoint']}")
+    return summary

@@ -1,0 +1,1 @@
+"""Notebook views: live dashboard, static plots. Imported only by notebooks (needs the `notebook` extra)."""

@@ -1,0 +1,52 @@
+"""Static plots from history.jsonl: the reward curve a person looks at instead of reading numbers.
+
+Pure matplotlib with the Agg backend, so it works headless (CI, nbconvert, GitHub) as well as in
+a notebook; the live dashboard draws the same figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["reward_series", "plot_reward_curve"]
+
+
+def reward_series(history: Sequence[dict[str, Any]], split: str = "train") -> dict[str, list[float]]:
+    """Per-step mean/min/max reward of `split`, in step order (the last record of a step wins)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in history:
+        if record.get("split") == split and f"{split}/reward" in record:
+            by_step[int(record["step"])] = record
+    steps = sorted(by_step)
+    pick = lambda key: [float(by_step[s].get(f"{split}/{key}", float("nan"))) for s in steps]  # noqa: E731
+    return {"step": [float(s) for s in steps], "mean": pick("reward"), "min": pick("reward_min"), "max": pick("reward_max")}
+
+
+def plot_reward_curve(history: Sequence[dict[str, Any]], path: str | Path | None = None, title: str = "reward"):
+    """Mean reward per step with the min-max band; the train split, plus any `val` points."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+    train = reward_series(history, "train")
+    if train["step"]:
+        axis.fill_between(train["step"], train["min"], train["max"], alpha=0.2, color="tab:blue", label="train min-max")
+        axis.plot(train["step"], train["mean"], marker="o", color="tab:blue", label="train mean")
+    val = reward_series(history, "val")
+    if val["step"]:
+        axis.plot(val["step"], val["mean"], marker="s", color="tab:orange", label="eval mean")
+    axis.set_xlabel("step (rollouts gathered with the weights of this step)")
+    axis.set_ylabel("reward")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="best", fontsize="small")
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(path)
+        plt.close(figure)
+    return figure

