@@ -55,7 +55,7 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     microbatch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward; lower saves memory")
-    logprob_chunk_tokens: int = Field(512, ge=16, description="positions per lm_head chunk when taking logprobs")
+    logprob_chunk_tokens: int = Field(512, ge=16, description="tokens (batch x positions) per lm_head chunk when taking logprobs: bounds logits memory")
     max_nonfinite_steps: int = Field(3, ge=1, description="consecutive skipped updates before training stops")
 
     @model_validator(mode="after")

@@ -53,6 +53,7 @@ from .engines.base import (
     SamplingParams,
 )
 from .toolcalls import parse_tool_calls
+from .trajectory import template_message
 
 __all__ = [
     "ServedModel",
@@ -216,13 +217,7 @@ class _Message(BaseModel):
     def for_template(self) -> dict[str, Any]:
         """The dict a chat template expects: content a string, tool-call arguments objects (as HF
         templates expect; a JSON string would be rendered quoted)."""
-        message = self.model_dump(exclude_none=True)
-        # Many templates concatenate content as a string; "" and None mean the same to the rest.
-        message.setdefault("content", "")
-        for call in message.get("tool_calls", []):
-            with contextlib.suppress(json.JSONDecodeError):
-                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-        return message
+        return template_message(self.model_dump(exclude_none=True))
 
 
 class _FunctionSpec(BaseModel):

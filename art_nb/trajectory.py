@@ -12,6 +12,9 @@ so a mistake in a rollout is reported when the trajectory is built, not deep ins
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+import json
 import math
 from collections.abc import Awaitable, Iterable
 from typing import Any
@@ -19,7 +22,7 @@ from typing import Any
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice"]
+__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message"]
 
 MessageOrChoice = dict[str, Any] | Choice
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -104,6 +107,24 @@ class Trajectory(BaseModel):
 def choice_to_message(choice: Choice) -> dict[str, Any]:
     """The assistant message a Choice stands for, as the next request would send it."""
     return choice.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it, for serving and training alike (one rendering, no drift).
+
+    OpenAI sends tool-call arguments as a JSON string; HF templates (Qwen's `| tojson`, Hermes)
+    expect an object, and would render a string quoted. Content None becomes "" (templates
+    concatenate it).
+    """
+    message = copy.deepcopy(message)
+    if message.get("content") is None:
+        message["content"] = ""
+    for call in message.get("tool_calls") or []:
+        arguments = call.get("function", {}).get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                call["function"]["arguments"] = json.loads(arguments)
+    return message
 
 
 class TrajectoryGroup(BaseModel):

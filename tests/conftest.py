@@ -19,7 +19,7 @@ CHATML_TEMPLATE = (
     "{%- if message['content'] -%}{{- message['content'] -}}{%- endif -%}"
     "{%- for call in message['tool_calls'] or [] -%}"
     "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
-    " + call['function']['arguments'] + '}\\n</tool_call>' -}}"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..trajectory import Choice, Trajectory
+from ..trajectory import Choice, Trajectory, template_message
 
 __all__ = ["TokenizedTrajectory", "tokenize_trajectory", "sampled_token_ids"]
 
@@ -116,7 +116,7 @@ class _Walk:
         if not messages:  # a trajectory that opens with a Choice; templates reject empty conversations
             return ""
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+            [template_message(m) for m in messages], tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
         )
 
     def encode(self, text: str) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 from conftest import CHATML_TEMPLATE, build_chatml_tokenizer, char_ids, make_choice
 
 from art_nb.grpo.tokens import tokenize_trajectory
-from art_nb.trajectory import Trajectory
+from art_nb.trajectory import Trajectory, template_message
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
@@ -23,8 +23,9 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def render(tokenizer, messages, generation_prompt: bool = False, tools=None) -> str:
+    """The reference: the template's own render of the conversation, as the server renders it."""
     return tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+        [template_message(m) for m in messages], tools=tools, add_generation_prompt=generation_prompt, tokenize=False
     )
 
 
