@@ -6,7 +6,7 @@ one core (what a colleague's job, the rollout code or the notebook's own event l
 Reports decode tokens/s (prefill excluded) and writes every raw timing to
 bench/results/cpu_threads.json, which `art_nb/_threads.py` cites for its default.
 
-    .venv/bin/python bench/cpu_threads.py [--steps 24] [--repeats 2] [--out bench/results/cpu_threads.json]
+    .venv/bin/python bench/cpu_threads.py [--steps 16] [--repeats 3] [--out bench/results/cpu_threads.json]
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def decode_seconds(model, prompt_ids: torch.Tensor, batch: int, steps: int) -> f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24, help="decode steps per timing")
-    parser.add_argument("--repeats", type=int, default=2, help="timings per configuration (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per timing")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per configuration (after one warm-up)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_threads.json")
     args = parser.parse_args()
 
@@ -78,6 +78,7 @@ def main() -> None:
         for threads in (1, 2):
             for batch in (1, 16):
                 torch.set_num_threads(threads)
+                loadavg_before = os.getloadavg()[0]
                 with busy_core() if load == "one_core_busy" else _nothing():
                     decode_seconds(model, prompt_ids, batch, steps=4)  # warm-up
                     seconds = [decode_seconds(model, prompt_ids, batch, args.steps) for _ in range(args.repeats)]
@@ -90,6 +91,7 @@ def main() -> None:
                     "decode_steps": args.steps,
                     "seconds": [round(s, 4) for s in seconds],
                     "tokens_per_s_best": round(batch * args.steps / best, 2),
+                    "loadavg_1m_before": round(loadavg_before, 2),
                     "loadavg_1m_after": round(loadavg, 2),
                 }
                 runs.append(run)
@@ -107,7 +109,10 @@ def main() -> None:
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
         "model": {"id": TINY_MODEL, "path": str(resolved.path), "source": resolved.source, "dtype": "float32"},
         "prompt_tokens": int(prompt_ids.shape[1]),
-        "note": "tokens_per_s_best = batch * decode_steps / fastest repeat; prefill not timed; greedy.",
+        "note": (
+            "tokens_per_s_best = batch * decode_steps / fastest repeat; prefill not timed; greedy. The machine is "
+            "shared: loadavg shows how much other work ran during each configuration."
+        ),
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -144,7 +144,7 @@ class TicTacToeGame:
         """Apply the model's move (None = unparseable); then the opponent's, unless the game ended."""
         if self.over:
             raise RuntimeError(f"the game is over ({self.outcome}); start a new one")
-        if cell not in legal_moves(self.board):
+        if cell is None or cell not in legal_moves(self.board):
             self.outcome = "invalid"
             return
         self.board = place(self.board, cell, MODEL_MARK)
@@ -206,10 +206,10 @@ EXAMPLE_TURN: list[dict[str, str]] = [
     {"role": "user", "content": user_message(place(empty_board(), "A1", OPPONENT_MARK))},
     {"role": "assistant", "content": "<move>C3</move>"},
 ]
-"""A worked turn shown before the game. Instructions alone do not reach SmolLM2-135M-Instruct
-(0 of 40 sampled first replies held a move tag); after this one example about a third are legal
-moves, so rewards within a group differ and GRPO has something to learn from. It is context only:
-an assistant dict, not a Choice, so it is never trained on."""
+"""A worked turn shown before the game. Instructions alone do not reach SmolLM2-135M-Instruct:
+0 of 40 first replies sampled at temperature 1 were legal moves. After this one example, 14 of 40
+were, so rewards within a group differ and GRPO has something to learn from. It is context only
+(an assistant dict, not a Choice), so it is never trained on."""
 
 
 async def rollout(
@@ -274,11 +274,12 @@ async def evaluate(
             )
 
     trajectories = await asyncio.gather(*(one(seed + i) for i in range(n_games)))
-    totals = {key: sum(t.metrics[key] for t in trajectories) for key in ("win", "draw", "loss", "invalid", "moves")}
-    attempts = totals["moves"] + totals["invalid"]
+    outcomes = ("win", "draw", "loss", "invalid")
+    count = {key: sum(t.metrics[key] for t in trajectories) for key in (*outcomes, "moves")}
     return {
         "games": n_games,
-        "valid_move_rate": totals["moves"] / attempts,
-        **{key: totals[key] / n_games for key in ("win", "draw", "loss", "invalid")},
+        # A game makes at least one attempt, and only its last attempt can be invalid.
+        "valid_move_rate": count["moves"] / (count["moves"] + count["invalid"]),
+        **{key: count[key] / n_games for key in outcomes},
         "reward": sum(t.reward for t in trajectories) / n_games,
     }

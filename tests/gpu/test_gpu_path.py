@@ -181,8 +181,15 @@ async def test_train_step_while_requests_arrive(stack):
         [art.TrajectoryGroup(rollout(model, TicTacToeScenario(seed=100 * g + i)) for i in range(6)) for g in range(4)],
         pbar_desc=None,
     )
-    base_ids = prompt_ids(backend)
-    base_greedy = await greedy_ids(backend, base_ids, None)
+    client = model.openai_client()
+
+    async def served(name: str) -> tuple[list[int], list[float]]:
+        completion = await client.chat.completions.create(
+            model=name, messages=PROMPT, max_tokens=16, temperature=0, logprobs=True)
+        choice = completion.choices[0]
+        return choice.model_extra["token_ids"], [entry.logprob for entry in choice.logprobs.content]
+
+    base_ids, base_logprobs = await served(NAME)  # step 0: the base weights
     during = [asyncio.ensure_future(rollout(model, TicTacToeScenario(seed=900 + i), inference_name=NAME))
               for i in range(8)]
     await asyncio.sleep(0)  # let them reach the server before the step pauses it
@@ -198,16 +205,12 @@ async def test_train_step_while_requests_arrive(stack):
     trained = load_file(str(backend.checkpoint_dir(model, 1) / "adapter_model.safetensors"))
     assert any(not (trained[k] == first[k]).all() for k in first), "the step did not change the adapter"
     # The endpoint now serves step 1 as "gpu" and "gpu@1"; "gpu@0" is still the base.
-    client = model.openai_client()
-    served = {}
-    for name in ("gpu@0", "gpu@1"):
-        completion = await client.chat.completions.create(
-            model=name, messages=PROMPT, max_tokens=16, temperature=0, logprobs=True)
-        choice = completion.choices[0]
-        served[name] = (choice.model_extra["token_ids"], [e.logprob for e in choice.logprobs.content])
-    assert served["gpu@0"][0] == base_greedy
-    tokens_changed = served["gpu@1"][0] != served["gpu@0"][0]
-    logprobs_changed = any(abs(a - b) > 1e-4 for a, b in zip(served["gpu@1"][1], served["gpu@0"][1]))
+    assert (await served(f"{NAME}@0"))[0] == base_ids
+    trained_ids, trained_logprobs = await served(NAME)
+    assert (await served(f"{NAME}@1"))[0] == trained_ids
+    tokens_changed = trained_ids != base_ids
+    logprobs_changed = any(abs(a - b) > 1e-4 for a, b in zip(trained_logprobs, base_logprobs))
+    record("served_after_step_1", {"tokens_changed": tokens_changed, "logprobs_changed": logprobs_changed})
     assert tokens_changed or logprobs_changed
 
 

@@ -1,0 +1,265 @@
+"""What this machine is (Colab or not, which GPU) and the notebook defaults that suit it, each with a reason.
+
+The notebooks' parameters cell starts from `pick_defaults()`, so a notebook opened on a Colab T4, an
+A100 or a laptop without a GPU runs top to bottom with no edits, and the user sees why each value
+was chosen. Detection is separate from the policy: `pick_defaults(hardware)` is a pure function of
+a `Hardware` value, which is what the unit tests feed it.
+
+The policy, in short:
+
+- no CUDA GPU: the offline tiny model (SmolLM2-135M-Instruct), float32, transformers engine +
+  peft trainer, a few small steps (a step takes about a minute on a laptop CPU);
+- Turing/Volta (T4 on Colab, sm75): float16 (no bf16 there), the transformers engine unless an old
+  enough vLLM was installed on purpose (`versions.gpu_path_for`), Unsloth training, a 0.5B model;
+- Ampere and newer (A100, L4, H100: sm80+): bfloat16, vLLM, Unsloth, a larger model by memory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..models import TINY_MODEL
+from ..versions import gpu_path_for, installed_version
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+__all__ = ["Hardware", "NotebookDefaults", "detect_hardware", "pick_defaults", "in_colab"]
+
+TASKS = ("tic_tac_toe", "2048", "custom")
+
+
+def in_colab() -> bool:
+    """True inside a Google Colab runtime (its kernel sets COLAB_RELEASE_TAG and ships google.colab)."""
+    if os.environ.get("COLAB_RELEASE_TAG"):
+        return True
+    try:
+        return importlib.util.find_spec("google.colab") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The facts the defaults depend on. `gpu_*` are None without a CUDA GPU."""
+
+    in_colab: bool = False
+    cpu_count: int = 1
+    gpu_name: str | None = None
+    gpu_capability: tuple[int, int] | None = None
+    gpu_memory_gib: float | None = None
+    vllm_version: str | None = None
+    unsloth_installed: bool = False
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_capability is not None
+
+    @property
+    def sm(self) -> str:
+        return "" if self.gpu_capability is None else f"sm{self.gpu_capability[0]}{self.gpu_capability[1]}"
+
+    def describe(self) -> str:
+        where = "Colab" if self.in_colab else "this machine"
+        if not self.has_gpu:
+            return f"{where}: no CUDA GPU, {self.cpu_count} CPU cores"
+        return f"{where}: {self.gpu_name} ({self.sm}, {self.gpu_memory_gib:.0f} GiB), {self.cpu_count} CPU cores"
+
+
+def detect_hardware() -> Hardware:
+    """Look at this machine: torch's view of CUDA when torch is installed, else `nvidia-smi`."""
+    base = Hardware(
+        in_colab=in_colab(),
+        cpu_count=os.cpu_count() or 1,
+        vllm_version=installed_version("vllm"),
+        unsloth_installed=importlib.util.find_spec("unsloth") is not None,
+    )
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return base
+        props = torch.cuda.get_device_properties(0)
+        return replace(base, gpu_name=props.name, gpu_capability=(props.major, props.minor),
+                       gpu_memory_gib=props.total_memory / 1024**3)
+    return _from_nvidia_smi(base)
+
+
+def _from_nvidia_smi(base: Hardware) -> Hardware:
+    if shutil.which("nvidia-smi") is None:
+        return base
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.splitlines()[0]
+        name, capability, memory_mib = (part.strip() for part in out.split(","))
+        major, minor = (int(x) for x in capability.split("."))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return base
+    return replace(base, gpu_name=name, gpu_capability=(major, minor), gpu_memory_gib=float(memory_mib) / 1024)
+
+
+@dataclass(frozen=True)
+class NotebookDefaults:
+    """Values for a notebook's parameters cell, and why each was picked (`reasons[name]`)."""
+
+    hardware: Hardware
+    task: str
+    base_model: str
+    dtype: str
+    engine: str
+    trainer: str
+    load_in_4bit: bool
+    lora_rank: int
+    max_seq_len: int
+    steps: int
+    groups_per_step: int
+    rollouts_per_group: int
+    learning_rate: float
+    eval_games: int
+    max_turns: int | None = None  # games with a turn limit (2048); None where the game ends by itself
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def model_config(self, **overrides: Any) -> ModelConfig:
+        """The `ModelConfig` these defaults describe; keyword arguments override fields."""
+        from ..config import LoraConfig, ModelConfig
+
+        values: dict[str, Any] = {
+            "engine": self.engine, "trainer": self.trainer, "dtype": self.dtype, "load_in_4bit": self.load_in_4bit,
+            "max_seq_len": self.max_seq_len, "lora": LoraConfig(rank=self.lora_rank, alpha=2 * self.lora_rank),
+        }
+        values.update(overrides)
+        return ModelConfig(**values)
+
+    def report(self, **chosen: Any) -> ChoicesReport:
+        """A table of the values in use (pass the parameters cell's values by name) with the reason
+        for each: the hardware's when it is the default, "set in the parameters cell" otherwise."""
+        rows = []
+        for name in ("base_model", "steps", "groups_per_step", "rollouts_per_group", "learning_rate", "max_seq_len",
+                     "eval_games", "max_turns", "dtype", "engine", "trainer"):
+            default = getattr(self, name)
+            if default is None:
+                continue
+            value = chosen.get(name, chosen.get(name.upper(), default))
+            why = self.reasons.get(name, "") if value == default else "set in the parameters cell"
+            rows.append((name, value, why))
+        return ChoicesReport(self.hardware.describe(), rows)
+
+
+@dataclass(frozen=True)
+class ChoicesReport:
+    """What the notebook will use and why; shows as a table in Jupyter and as text elsewhere."""
+
+    header: str
+    rows: list[tuple[str, Any, str]]
+
+    def __str__(self) -> str:
+        width = max(len(name) for name, _, _ in self.rows)
+        lines = [self.header]
+        lines += [f"  {name:<{width}}  {value!s:<28} {why}" for name, value, why in self.rows]
+        return "\n".join(lines)
+
+    def _repr_markdown_(self) -> str:
+        lines = [f"**{self.header}**", "", "| parameter | value | why |", "|---|---|---|"]
+        lines += [f"| `{name}` | `{value}` | {why.replace('|', '/')} |" for name, value, why in self.rows]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+# The larger models for GPUs, by memory; each fits LoRA training next to vLLM with room to spare.
+_GPU_MODELS: tuple[tuple[float, str, float], ...] = (
+    # (at least this many GiB, base model, learning rate)
+    (70.0, "Qwen/Qwen2.5-7B-Instruct", 2e-5),
+    (35.0, "Qwen/Qwen2.5-3B-Instruct", 5e-5),
+    (20.0, "Qwen/Qwen2.5-1.5B-Instruct", 1e-4),
+    (0.0, "Qwen/Qwen2.5-0.5B-Instruct", 1e-4),
+)
+
+# Per task: (groups per step, rollouts per group, max_seq_len) on CPU and on a GPU; GPU steps.
+_TASK_SHAPES: Mapping[str, dict[str, tuple[int, int, int]]] = {
+    "tic_tac_toe": {"cpu": (4, 6, 1024), "gpu": (8, 8, 2048)},
+    "2048": {"cpu": (3, 4, 2048), "gpu": (8, 8, 4096)},
+    "custom": {"cpu": (4, 6, 1024), "gpu": (8, 8, 2048)},
+}
+
+
+def pick_defaults(hardware: Hardware | None = None, task: str = "tic_tac_toe") -> NotebookDefaults:
+    """Notebook defaults for `hardware` (detected when None) and `task`, each with its reason."""
+    if task not in _TASK_SHAPES:
+        raise ValueError(f"task is {task!r}; expected one of {', '.join(_TASK_SHAPES)}")
+    hw = detect_hardware() if hardware is None else hardware
+    if not hw.has_gpu:
+        return _cpu_defaults(hw, task)
+    return _gpu_defaults(hw, task)
+
+
+def _cpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
+    groups, rollouts, seq = _TASK_SHAPES[task]["cpu"]
+    steps = 6
+    return NotebookDefaults(
+        hardware=hw, task=task, base_model=TINY_MODEL, dtype="float32", engine="hf", trainer="peft",
+        load_in_4bit=False, lora_rank=16, max_seq_len=seq, steps=steps, groups_per_step=groups,
+        rollouts_per_group=rollouts, learning_rate=2e-4, eval_games=32, max_turns=10 if task == "2048" else None,
+        reasons={
+            "max_turns": "10 moves per game: long conversations are the slow part on a CPU",
+            "base_model": "no GPU: the 135M model runs on a CPU and has an offline copy (no download needed)",
+            "dtype": "float32: CPUs have slow or emulated 16-bit matmuls",
+            "engine": "transformers: vLLM needs a CUDA GPU",
+            "trainer": "peft: Unsloth needs a CUDA GPU",
+            "steps": f"a few steps: each takes about a minute on {hw.cpu_count} CPU cores",
+            "groups_per_step": f"{groups} groups x {rollouts} rollouts keep a CPU step short",
+            "rollouts_per_group": "enough rollouts that rewards within a group differ",
+            "learning_rate": "2e-4: LoRA on a 135M model learns the move format within a few steps",
+            "max_seq_len": f"{seq} tokens hold the longest {task.replace('_', '-')} conversation used here",
+            "eval_games": "fixed games scored greedily, the same for the base model and the trained one",
+        },
+    )
+
+
+def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
+    assert hw.gpu_capability is not None and hw.gpu_memory_gib is not None
+    groups, rollouts, seq = _TASK_SHAPES[task]["gpu"]
+    engine, engine_why = gpu_path_for(hw.gpu_capability, hw.vllm_version)
+    bf16 = hw.gpu_capability >= (8, 0)
+    turing = not bf16
+    if turing:
+        # The transformers engine generates far slower than vLLM: a 0.5B model keeps a step near a minute.
+        base_model, lr = "Qwen/Qwen2.5-0.5B-Instruct", 1e-4
+        model_why = (f"{hw.gpu_name} ({hw.sm}) serves with the transformers engine, slower than vLLM: "
+                     "a 0.5B model keeps steps short")
+    else:
+        memory = hw.gpu_memory_gib
+        base_model, lr = next((m, r) for floor, m, r in _GPU_MODELS if memory >= floor)
+        model_why = f"{memory:.0f} GiB on {hw.gpu_name}: room to serve and LoRA-train {base_model.split('/')[-1]}"
+    trainer = "unsloth" if hw.unsloth_installed else "peft"
+    trainer_why = ("Unsloth: installed with the gpu extra; faster LoRA training and less memory"
+                   if hw.unsloth_installed else "peft: Unsloth is not installed (pip install 'art-nb[gpu]')")
+    steps = 20
+    return NotebookDefaults(
+        hardware=hw, task=task, base_model=base_model, dtype="bfloat16" if bf16 else "float16",
+        engine=engine, trainer=trainer, load_in_4bit=False, lora_rank=16, max_seq_len=seq, steps=steps,
+        groups_per_step=groups, rollouts_per_group=rollouts, learning_rate=lr, eval_games=64,
+        max_turns=40 if task == "2048" else None,
+        reasons={
+            "max_turns": "40 moves per game: reaching the 64 tile takes about 27",
+            "base_model": model_why,
+            "dtype": f"bfloat16: {hw.sm} supports it" if bf16 else f"float16: {hw.gpu_name} ({hw.sm}) has no bf16",
+            "engine": engine_why,
+            "trainer": trainer_why,
+            "steps": f"{steps} steps: enough for the reward curve to climb on a GPU",
+            "groups_per_step": f"{groups} groups x {rollouts} rollouts: a GPU serves them in one batch",
+            "rollouts_per_group": "enough rollouts that rewards within a group differ",
+            "learning_rate": f"{lr:g}: a LoRA rate for a model of this size",
+            "max_seq_len": f"{seq} tokens hold the longest {task.replace('_', '-')} conversation used here",
+            "eval_games": "fixed games scored greedily, the same for the base model and the trained one",
+        },
+    )

@@ -1,0 +1,168 @@
+"""Tic-tac-toe on the real SmolLM2-135M-Instruct with vLLM + Unsloth on one GPU, through LocalBackend.
+
+What it measures: the base model and the trained LoRA on the same fixed evaluation games (greedy),
+the reward per step, and where each step's time goes (rollouts, pause/sleep, train, save, swap),
+as `TrainResult.metrics` reports it. The first step includes Unsloth's Triton compilation.
+
+Run on the GPU machine from the repository root, after `source .gpu/bin/env.sh`:
+
+    python bench/gpu_tictactoe.py $OUT/bench --steps 16 --budget-s 240
+
+Writes OUT/tictactoe.json and OUT/reward_curve.png (when matplotlib is there). Weights: --model DIR,
+else $ART_NB_GPU_MODEL, else the staged GGUF converted once (tests/gpu/conftest.py: real_model_dir).
+vLLM runs eager unless --cuda-graphs (starts ~1 min sooner; decodes slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the GPU machine runs the working tree, not an installed art_nb
+
+import art_nb as art  # noqa: E402
+from art_nb.envs import tic_tac_toe as ttt  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for tictactoe.json and reward_curve.png")
+    parser.add_argument("--model", type=Path, default=None, help="a transformers folder with SmolLM2 weights")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=8, help="scenarios per step")
+    parser.add_argument("--group-size", type=int, default=8, help="games per scenario")
+    parser.add_argument("--eval-games", type=int, default=64)
+    parser.add_argument("--eval-seed", type=int, default=10_000)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop training after this many seconds")
+    parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM compile and capture CUDA graphs")
+    return parser.parse_args(argv)
+
+
+def model_folder(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    folder = _gpu_helpers().real_model_dir()
+    if folder is None:
+        raise SystemExit("no SmolLM2 weights: pass --model, set ART_NB_GPU_MODEL, or stage the GGUF (shared/gpu)")
+    return folder
+
+
+def gpu_memory() -> dict[str, float]:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"used_gib": round((total - free) / 2**30, 2), "total_gib": round(total / 2**30, 1)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.cuda_graphs:
+        os.environ["ART_NB_VLLM_ENFORCE_EAGER"] = "1"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    started = time.perf_counter()
+    folder = model_folder(args)
+    model = art.TrainableModel(
+        name="ttt", project="bench", base_model=str(folder),
+        config=art.ModelConfig(engine="vllm", trainer="unsloth", max_seq_len=1024,
+                               lora=art.LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank)),
+    )
+    backend = art.LocalBackend(path=args.out / "art")
+    await model.register(backend)
+    results["register_s"] = round(time.perf_counter() - started, 1)
+    results["choices"] = backend.choices(model)
+    results["engine_reasons"] = getattr(backend._runtime.state(model).engine, "reasons", [])
+    results["memory_after_register"] = gpu_memory()
+
+    mark = time.perf_counter()
+    results["base"] = await ttt.evaluate(model, args.eval_games, args.eval_seed,
+                                         inference_name=model.get_inference_name(0), concurrency=64)
+    results["base_eval_s"] = round(time.perf_counter() - mark, 1)
+
+    config = art.TrainConfig(learning_rate=args.learning_rate)
+    steps: list[dict[str, float]] = []
+    training_started = time.perf_counter()
+    for step in range(args.steps):
+        if time.perf_counter() - training_started > args.budget_s:
+            results["stopped_early"] = f"time budget {args.budget_s}s reached after {step} steps"
+            break
+        mark = time.perf_counter()
+        groups = await art.gather_trajectory_groups(
+            (art.TrajectoryGroup(ttt.rollout(model, ttt.TicTacToeScenario(seed=step * 1000 + g))
+                                 for _ in range(args.group_size)) for g in range(args.groups)),
+            pbar_desc=None, max_exceptions=0.1,
+        )
+        rollout_s = time.perf_counter() - mark
+        result = await model.train(groups, config=config)
+        m = result.metrics
+        row = {"step": result.step, "rollout_s": round(rollout_s, 2),
+               **{k: round(float(v), 4) for k, v in m.items() if k.startswith("time/")},
+               **{k: round(float(m[k]), 4) for k in ("reward_mean", "loss", "tokens_trained", "mismatch_kl",
+                                                     "zero_variance_groups", "skipped_nonfinite") if k in m}}
+        steps.append(row)
+        print(json.dumps(row), flush=True)
+    results["steps"] = steps
+    results["training_s"] = round(time.perf_counter() - training_started, 1)
+    results["memory_after_training"] = gpu_memory()
+
+    mark = time.perf_counter()
+    results["trained_step"] = await model.get_step()
+    results["trained"] = await ttt.evaluate(model, args.eval_games, args.eval_seed, concurrency=64)
+    results["trained_eval_s"] = round(time.perf_counter() - mark, 1)
+    results["time_split_mean_s"] = mean_split(steps[1:] or steps)  # step 1 carries the compile
+    results["environment"] = environment()
+    results["total_s"] = round(time.perf_counter() - started, 1)
+
+    history = backend._runtime.state(model).store.read_history()
+    try:
+        from art_nb.notebook.plots import plot_reward_curve
+
+        plot_reward_curve(history, args.out / "reward_curve.png", title="SmolLM2-135M tic-tac-toe, vLLM + Unsloth (H200)")
+        results["reward_curve"] = "reward_curve.png"
+    except ImportError as exc:  # matplotlib is not on every GPU image
+        results["reward_curve"] = f"not drawn: {exc}"
+    (args.out / "tictactoe.json").write_text(json.dumps(results, indent=1, default=str))
+    await backend.close()
+    return results
+
+
+def mean_split(steps: list[dict[str, float]]) -> dict[str, float]:
+    keys = ("rollout_s", "time/pause", "time/train", "time/save", "time/swap", "time/step_total")
+    return {k: round(sum(s.get(k, 0.0) for s in steps) / max(len(steps), 1), 3) for k in keys}
+
+
+def environment() -> dict[str, Any]:
+    return _gpu_helpers().environment()
+
+
+def _gpu_helpers() -> Any:
+    """tests/gpu/conftest.py, loaded by path (a `tests` package elsewhere on sys.path could shadow ours)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("art_nb_gpu_helpers", ROOT / "tests" / "gpu" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = asyncio.run(run(parse_args(argv)))
+    keys = ("valid_move_rate", "win", "invalid", "reward")
+    print("base   :", {k: round(results["base"][k], 3) for k in keys})
+    print("trained:", {k: round(results["trained"][k], 3) for k in keys}, f"(step {results['trained_step']})")
+    print("mean step time split (s):", results["time_split_mean_s"])
+
+
+if __name__ == "__main__":
+    main()
