@@ -48,7 +48,12 @@ def format_table(before: dict[str, float], after: dict[str, float], labels: tupl
 
 
 async def run_demo(config: DemoConfig) -> dict[str, Any]:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("  %(message)s"))
+    log = logging.getLogger("art_nb")
+    if not log.handlers:
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     model = art.TrainableModel(
@@ -59,9 +64,7 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
                                seed=config.seed),
     )
     backend = art.LocalBackend(path=config.path)
-    await model.register(backend)
-    for key, why in backend.choices(model).items():
-        print(f"  {key}: {why}")
+    await model.register(backend)  # logs each automatic choice (engine, trainer, threads, dtype) and why
 
     print(f"\nEvaluating the base model on {config.eval_games} fixed games (seed {config.eval_seed}, greedy)...")
     before = await ttt.evaluate(model, config.eval_games, config.eval_seed, inference_name=model.get_inference_name(0),

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["GiB", "ModelShape", "MemoryPlan", "plan_gpu_memory", "read_model_shape", "count_parameters"]
 
@@ -165,7 +165,8 @@ def plan_gpu_memory(
     warnings: list[str] = []
     safety = max(GiB, int(0.05 * total_bytes))
     usable = free_bytes - safety
-    reasons.append(f"{_gib(free_bytes)} of {_gib(total_bytes)} free; {_gib(safety)} kept back for fragmentation and the notebook")
+    reasons.append(f"{_gib(free_bytes)} of {_gib(total_bytes)} free; {_gib(safety)} kept back for "
+                   "fragmentation and the notebook")
 
     # The trainer: resident while serving, plus activations while training.
     if load_in_4bit:

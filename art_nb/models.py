@@ -126,8 +126,8 @@ def _from_hub(repo_id: str, *, local_files_only: bool) -> Path | str:
     except Exception as exc:  # network, auth, missing repo: all mean "try the next source"
         if local_files_only:
             return "not cached"
-        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-        return f"{type(exc).__name__}: {detail[:160]}".rstrip(": ")
+        # The type names the cause (offline, auth, not found); hub messages run to paragraphs.
+        return f"unreachable ({type(exc).__name__})"
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         return f"{folder} has no config.json + safetensors weights"
     return folder

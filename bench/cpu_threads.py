@@ -12,6 +12,7 @@ bench/results/cpu_threads.json, which `art_nb/_threads.py` cites for its default
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -49,12 +50,12 @@ def busy_core() -> Iterator[int]:
 def decode_seconds(model, prompt_ids: torch.Tensor, batch: int, steps: int) -> float:
     """Seconds for `steps` greedy decode steps after the prefill, for `batch` copies of the prompt."""
     ids = prompt_ids.repeat(batch, 1)
-    cache = DynamicCache()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    cache = {_cache_kwarg(model): DynamicCache()}  # `past_key_values` became `cache` in transformers 5.x
+    out = model(input_ids=ids, use_cache=True, **cache)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     start = time.perf_counter()
     for _ in range(steps):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        out = model(input_ids=token, use_cache=True, **cache)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - start
 
@@ -118,6 +119,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @contextmanager

@@ -8,7 +8,8 @@ Run on the GPU machine from the repository root, after `source .gpu/bin/env.sh`:
 
     python bench/gpu_tictactoe.py $OUT/bench --steps 16 --budget-s 240
 
-Writes OUT/tictactoe.json and OUT/reward_curve.png (when matplotlib is there). Weights: --model DIR,
+Writes OUT/tictactoe.json and OUT/reward_curve.png (when matplotlib is there; else redraw it anywhere
+with `python bench/gpu_tictactoe.py OUT --plot-from OUT/tictactoe.json`). Weights: --model DIR,
 else $ART_NB_GPU_MODEL, else the staged GGUF converted once (tests/gpu/conftest.py: real_model_dir).
 vLLM runs eager unless --cuda-graphs (starts ~1 min sooner; decodes slower).
 """
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop training after this many seconds")
     parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM compile and capture CUDA graphs")
+    parser.add_argument("--plot-from", type=Path, default=None,
+                        help="only redraw OUT/reward_curve.png from a results JSON")
     return parser.parse_args(argv)
 
 
@@ -122,17 +125,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results["environment"] = environment()
     results["total_s"] = round(time.perf_counter() - started, 1)
 
-    history = backend._runtime.state(model).store.read_history()
-    try:
-        from art_nb.notebook.plots import plot_reward_curve
-
-        plot_reward_curve(history, args.out / "reward_curve.png", title="SmolLM2-135M tic-tac-toe, vLLM + Unsloth (H200)")
-        results["reward_curve"] = "reward_curve.png"
-    except ImportError as exc:  # matplotlib is not on every GPU image
-        results["reward_curve"] = f"not drawn: {exc}"
+    results["history"] = backend._runtime.state(model).store.read_history()
+    results["reward_curve"] = draw(results, args.out)
     (args.out / "tictactoe.json").write_text(json.dumps(results, indent=1, default=str))
     await backend.close()
     return results
+
+
+def draw(results: dict[str, Any], out: Path) -> str:
+    """reward_curve.png from the run's history; matplotlib is not on every GPU image, so
+    `--plot-from tictactoe.json` redraws it later on any machine that has it."""
+    try:
+        from art_nb.notebook.plots import plot_reward_curve
+
+        gpu = results.get("environment", {}).get("gpu") or "GPU"
+        plot_reward_curve(results["history"], out / "reward_curve.png",
+                          title=f"SmolLM2-135M tic-tac-toe, vLLM + Unsloth ({gpu})")
+        return "reward_curve.png"
+    except ImportError as exc:
+        return f"not drawn here ({exc}); redraw with --plot-from"
 
 
 def mean_split(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -157,7 +168,12 @@ def _gpu_helpers() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    results = asyncio.run(run(parse_args(argv)))
+    args = parse_args(argv)
+    if args.plot_from is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(draw(json.loads(args.plot_from.read_text()), args.out))
+        return
+    results = asyncio.run(run(args))
     keys = ("valid_move_rate", "win", "invalid", "reward")
     print("base   :", {k: round(results["base"][k], 3) for k in keys})
     print("trained:", {k: round(results["trained"][k], 3) for k in keys}, f"(step {results['trained_step']})")

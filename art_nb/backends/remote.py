@@ -202,7 +202,7 @@ class RemoteBackend:
         if kind == "event":
             event = dict(item["event"])
             fields = {k: v for k, v in event.items() if k not in ("type", "time")}
-            events.emit(str(event.get("type")), **fields, remote=self.base_url)
+            events.emit(str(event.get("type")), **{**fields, "remote": self.base_url})
         elif kind == "progress":
             progress = dict(item.get("progress") or {})
             events.emit("train_progress", model=model.name, remote=self.base_url, **progress)

@@ -187,7 +187,8 @@ class _Service:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def forward(event: dict[str, Any]) -> None:
-            if event.get("model") == model.name:
+            # "remote" marks a client's echo of a server event (client and server in one process)
+            if event.get("model") == model.name and "remote" not in event:
                 put({"type": "event", "event": event})
 
         start_step = await self.backend.get_step(model)

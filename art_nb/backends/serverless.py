@@ -302,7 +302,8 @@ class ServerlessBackend:
         return int(data[0]["step"]) if data else 0
 
     async def get_step(self, model: TrainableModel) -> int:
-        async with self._locks[self._remote(model).name]:
+        self._remote(model)
+        async with self._locks[model.name]:
             await self._finish_pending(model)
         return await self._latest_step(model)
 
@@ -315,7 +316,7 @@ class ServerlessBackend:
             raise TypeError("train takes gathered TrajectoryGroups (await gather_trajectory_groups(...) first)")
         config = config or TrainConfig()
         remote = self._remote(model)
-        async with self._locks[remote.name]:
+        async with self._locks[model.name]:
             await self._finish_pending(model)
             step = await self._latest_step(model)
             store = ModelStore(self.path, model.project, model.name)  # nothing lost: rollouts on disk first

@@ -196,16 +196,20 @@ class HFEngine:
         if internal is None:
             raise EngineError(f"no adapter named {name!r}; loaded: {sorted(self._adapters) or 'none'}")
         self._retire(internal)
-        await self._in_worker(self._delete_unused_adapters)
+        doomed = self._take_doomed()
+        if doomed:
+            await self._in_worker(self._delete_adapters, doomed)
 
     async def sleep(self) -> None:
         """On CUDA: finish the running rows, hold new ones, move the weights to CPU. A no-op on CPU."""
         if self._device.type != "cuda" or self._paused:
             return
+        self._check_alive()
         self._paused = True
-        while self._batch.rows:
-            self._drained.clear()
-            await self._drained.wait()
+        self._drained.clear()
+        self._wakeup.set()
+        await self._drained.wait()  # set by the scheduler once no row is live and no forward is in flight
+        self._check_alive()
         await self._in_worker(self._move, torch.device("cpu"))
 
     async def wake(self) -> None:
@@ -222,12 +226,20 @@ class HFEngine:
         self._scheduler.cancel()
         await asyncio.gather(self._scheduler, return_exceptions=True)
         self._fail_all(EngineDeadError(self._dead))
+        self._drained.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._model = None  # the weights go once an in-flight forward returns, even if this object lingers
 
     # ---- scheduling (event loop) ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
         while True:
+            doomed = self._take_doomed()
+            if doomed:
+                try:
+                    await self._in_worker(self._delete_adapters, doomed)
+                except Exception:  # a failed delete leaks an adapter's memory; serving goes on
+                    logger.exception("HF engine: deleting adapters %s failed", doomed)
             if not self._batch.rows and (self._paused or not self._pending):
                 self._drained.set()
                 self._wakeup.clear()
@@ -302,6 +314,14 @@ class HFEngine:
         self._retired.add(internal)
         self._wakeup.set()
 
+    def _take_doomed(self) -> list[str]:
+        """Retired adapters no submitted request uses any more; the caller deletes them in the worker."""
+        doomed = [a for a in self._retired if self._refs[a] <= 0]
+        for internal in doomed:
+            self._retired.discard(internal)
+            self._refs.pop(internal, None)
+        return doomed
+
     def _on_scheduler_exit(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:
             return
@@ -327,7 +347,6 @@ class HFEngine:
     @torch.inference_mode()
     def _advance(self, admit: list[_Row]) -> list[_Row]:
         """Admit `admit`, advance every live row by one token, return the rows that finished."""
-        self._delete_unused_adapters()
         batch = self._batch
         batch_rows = [r for r in batch.rows if not r.job.abandoned]
         if len(batch_rows) != len(batch.rows):
@@ -456,10 +475,8 @@ class HFEngine:
                 self._model = PeftModel.from_pretrained(self._model, str(path), adapter_name=internal, is_trainable=False)
             self._model.to(self._device).eval()
 
-    def _delete_unused_adapters(self) -> None:
-        for internal in [a for a in self._retired if self._refs[a] <= 0]:
-            self._retired.discard(internal)
-            self._refs.pop(internal, None)
+    def _delete_adapters(self, internals: list[str]) -> None:
+        for internal in internals:
             remaining = [a for a in self._model.peft_config if a != internal]
             if not remaining:  # peft cannot run with zero adapters: take the LoRA layers out entirely
                 self._model = self._model.unload()

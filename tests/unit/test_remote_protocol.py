@@ -1,0 +1,345 @@
+"""The remote protocol without a model: wire format, versions, retries, and `art-nb serve`'s app driven
+by the real `RemoteBackend` over loopback HTTP, with a backend that trains instantly."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import make_choice
+
+import art_nb as art
+from art_nb import events
+from art_nb.backends import remote as remote_module
+from art_nb.backends._http import (
+    RetryPolicy,
+    group_from_wire,
+    group_to_wire,
+    parse_retry_after,
+    request_with_retries,
+    trajectory_from_wire,
+    trajectory_to_wire,
+    version_mismatch,
+)
+from art_nb.backends.base import TrainResult
+from art_nb.backends.remote import RemoteBackend, RemoteBackendError, RemoteTrainingError
+from art_nb.backends.serve import _resolve_token, create_serve_app, is_loopback
+from art_nb.secrets import Secret
+from art_nb.server import InferenceGate, create_app, start_server
+
+TOKEN = "serve-token-5be0c1d94f"
+PROMPT = [{"role": "user", "content": "Say a colour."}]
+
+
+# --- wire format, versions, retries -------------------------------------------------------------
+
+
+def test_choices_round_trip_with_token_ids_and_logprobs(chatml_tokenizer):
+    call = {"id": "c1", "type": "function", "function": {"name": "move", "arguments": '{"cell": 4}'}}
+    choice = make_choice(chatml_tokenizer, "", tool_calls=[call])
+    trajectory = art.Trajectory(
+        messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "blue"), {"role": "user", "content": "again"},
+                              choice, {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        reward=0.5, metrics={"moves": 3}, metadata={"seed": 7}, logs=["note"])
+    group = art.TrajectoryGroup([trajectory], exceptions=["ValueError: bad move"], metadata={"scenario": 2})
+    back = group_from_wire(json.loads(json.dumps(group_to_wire(group))))
+    restored = back.trajectories[0]
+    assert restored == trajectory
+    assert back.exceptions == group.exceptions and back.metadata == group.metadata
+    for before, after in zip(trajectory.choices(), restored.choices(), strict=True):
+        assert isinstance(after, type(before))
+        assert after.model_extra["token_ids"] == before.model_extra["token_ids"]
+        assert [e.logprob for e in after.logprobs.content] == [e.logprob for e in before.logprobs.content]
+    assert restored.messages_and_choices[3].message.tool_calls[0].function.arguments == '{"cell": 4}'
+    with pytest.raises(ValueError, match="not tagged"):
+        trajectory_from_wire({**trajectory_to_wire(trajectory), "messages_and_choices": [{"role": "user"}]})
+
+
+def test_versions_must_agree_on_major_minor():
+    assert version_mismatch("0.1.0", "0.1.9") is None
+    assert version_mismatch("1.2.0rc1", "1.2.3") is None
+    message = version_mismatch("0.2.0", "0.1.4")
+    assert message and "0.2.0" in message and "0.1.4" in message and "art-nb==0.1.*" in message
+
+
+def test_retry_after_and_backoff_bounds():
+    assert parse_retry_after("7") == 7.0
+    assert parse_retry_after(None) is None and parse_retry_after("soon") is None
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 28 <= parse_retry_after(later) <= 31
+    policy, rng = RetryPolicy(base_delay=1.0, max_delay=8.0, max_retry_after=60.0), random.Random(0)
+    for attempt in range(8):
+        ceiling = min(8.0, 2.0**attempt)
+        assert ceiling / 2 <= policy.delay(attempt, None, rng) <= ceiling
+    assert policy.delay(0, 12.0) == 12.0 and policy.delay(0, 999.0) == 60.0
+
+
+async def test_what_is_retried_and_what_is_not():
+    seen: list[tuple[str, str | None]] = []
+    plan: list[int | Exception] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.headers.get("idempotency-key")))
+        outcome = plan.pop(0) if plan else 200
+        if isinstance(outcome, Exception):
+            raise outcome
+        return httpx.Response(outcome, headers={"Retry-After": "0"} if outcome == 429 else {})
+
+    async def no_sleep(_: float) -> None:
+        pass
+
+    policy = RetryPolicy(attempts=3)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as client:
+        async def send(method: str, **kwargs) -> int:
+            seen.clear()
+            return (await request_with_retries(client, method, "/r", policy=policy, sleep=no_sleep, **kwargs)).status_code
+
+        plan[:] = [500]
+        assert await send("POST") == 500 and len(seen) == 1  # may have run: not repeated without a key
+        plan[:] = [500, 502]
+        assert await send("POST", idempotency_key="k1") == 200
+        assert seen == [("POST", "k1")] * 3
+        plan[:] = [429]
+        assert await send("POST") == 200 and len(seen) == 2  # refused: safe to send again
+        plan[:] = [httpx.ConnectError("refused"), 503]
+        assert await send("GET") == 200 and len(seen) == 3
+        plan[:] = [503, 503, 503]
+        assert await send("GET") == 503 and len(seen) == 3  # bounded
+        plan[:] = [httpx.ReadTimeout("slow")]
+        with pytest.raises(httpx.ReadTimeout):
+            await send("POST")
+
+
+def test_tokens_are_required_beyond_loopback():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("gpu-box")
+    shown: list[str] = []
+    secret = _resolve_token("0.0.0.0", None, shown.append)
+    assert secret is not None and len(shown) == 1 and secret.reveal() in shown[0]
+    assert _resolve_token("127.0.0.1", None, shown.append) is None and len(shown) == 1
+    assert _resolve_token("0.0.0.0", "given", shown.append).reveal() == "given" and len(shown) == 1
+
+
+# --- the serve app over loopback ----------------------------------------------------------------
+
+
+class InstantBackend:
+    """LocalBackend's methods over a directory; a 'step' copies the adapter file with a new suffix."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.steps, self.received = root, {}, []
+        self.hold: asyncio.Event | None = None
+        self.fail_with: Exception | None = None
+
+    def checkpoint_dir(self, model, step=None) -> Path:
+        return self.root / model.project / "models" / model.name / "checkpoints" / f"{self.steps[model.name] if step is None else step:04d}"
+
+    def _write(self, model, step: int) -> None:
+        directory = self.checkpoint_dir(model, step)
+        directory.mkdir(parents=True)
+        (directory / "adapter_model.safetensors").write_bytes(f"weights {step}".encode() * 1000)
+        (directory / "adapter_config.json").write_text('{"r": 8}')
+        (directory / "trainer_state.pt").write_bytes(b"optimizer")
+        (directory / "meta.json").write_text(json.dumps({"step": step, "base_model": model.base_model}))
+
+    async def register(self, model) -> None:
+        if model.name not in self.steps:
+            self.steps[model.name] = 0
+            self._write(model, 0)
+
+    def choices(self, model) -> dict[str, str]:
+        return {"engine": "instant: no model"}
+
+    async def get_step(self, model) -> int:
+        return self.steps[model.name]
+
+    async def train(self, model, groups, config=None, *, on_progress=None) -> TrainResult:
+        self.received.append(groups)
+        events.emit("train_started", model=model.name, step=self.steps[model.name], groups=len(groups))
+        await asyncio.to_thread(events.emit, "trainer_note", model=model.name)  # from another thread
+        on_progress({"phase": "train", "done": 1, "total": 1})
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        step = self.steps[model.name] + 1
+        self._write(model, step)
+        self.steps[model.name] = step
+        events.emit("train_finished", model=model.name, step=step, metrics={"loss": 0.25})
+        return TrainResult(step=step, metrics={"loss": 0.25, "lr": config.learning_rate})
+
+    async def log(self, model, items, split="val", step=None, metrics=None) -> dict[str, float]:
+        return {"trajectories": float(sum(len(i) if isinstance(i, art.TrajectoryGroup) else 1 for i in items))}
+
+    async def delete_checkpoints(self, model, steps=None, keep_last=1) -> list[int]:
+        existing = sorted(s for s in range(self.steps[model.name] + 1) if self.checkpoint_dir(model, s).exists())
+        targets = sorted(set(steps) if steps is not None else set(existing[:-keep_last]))
+        return [s for s in targets if s != self.steps[model.name]]
+
+
+class OneModel:
+    def list_models(self) -> list[str]:
+        return ["m"]
+
+    def resolve(self, name):
+        raise KeyError(name)
+
+
+@pytest.fixture
+async def served(tmp_path):
+    backend = InstantBackend(tmp_path / "server")
+    app = create_serve_app(backend, token=Secret(TOKEN), openai_app=create_app(OneModel(), InferenceGate()))
+    server = await start_server(app, host="127.0.0.1", port=0)
+    url = server.base_url.removesuffix("/v1")
+    yield backend, url, server
+    await server.stop()
+
+
+def make_model(name: str = "m") -> art.TrainableModel:
+    return art.TrainableModel(name=name, project="p", base_model="tiny")
+
+
+async def test_two_steps_stream_progress_and_keep_token_ids(served, tmp_path, chatml_tokenizer):
+    backend, url, _ = served
+    client = RemoteBackend(url, api_key=TOKEN, path=tmp_path / "client")
+    model = make_model()
+    await model.register(client)
+    assert client.choices(model) == {"engine": "instant: no model"}
+    seen: list[dict] = []
+    unsubscribe = events.subscribe(seen.append)
+    progress: list[dict] = []
+    try:
+        for expected in (1, 2):
+            group = art.TrajectoryGroup([art.Trajectory(
+                messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "blue")], reward=1.0)])
+            result = await model.train([group], config=art.TrainConfig(learning_rate=0.01), on_progress=progress.append)
+            assert result == TrainResult(step=expected, metrics={"loss": 0.25, "lr": 0.01})
+    finally:
+        unsubscribe()
+    arrived = backend.received[0][0].trajectories[0].messages_and_choices[1]
+    assert arrived.model_extra["token_ids"] == make_choice(chatml_tokenizer, "blue").model_extra["token_ids"]
+    assert progress == [{"phase": "train", "done": 1, "total": 1}] * 2
+    remote_events = [e["type"] for e in seen if e.get("remote") == url]
+    assert remote_events.count("train_started") == 2 and remote_events.count("train_finished") == 2
+    assert "trainer_note" in remote_events and "train_progress" in remote_events
+    assert await model.get_step() == 2 and await client.list_checkpoints(model) == [0, 1, 2]
+    assert str(model.openai_client().base_url) == f"{url}/v1/"
+    assert await model.log([group], split="val") == {"trajectories": 1.0}
+    assert await model.delete_checkpoints(keep_last=1) == [0, 1]
+
+
+async def test_download_checks_hashes_and_lands_where_local_backend_resumes(served, tmp_path):
+    _, url, _ = served
+    client = RemoteBackend(url, api_key=TOKEN, path=tmp_path / "client")
+    model = make_model()
+    await model.register(client)
+    landed = await client.download_checkpoint(model)
+    assert landed == tmp_path / "client/p/models/m/checkpoints/0000"
+    assert sorted(p.name for p in landed.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "meta.json"]
+    assert (landed / "adapter_model.safetensors").read_bytes() == b"weights 0" * 1000
+    assert json.loads((landed / "meta.json").read_text())["downloaded_from"] == url
+    elsewhere = await client.download_checkpoint(model, 0, tmp_path / "export", include_optimizer=True)
+    assert (elsewhere / "trainer_state.pt").read_bytes() == b"optimizer"
+    with pytest.raises(FileExistsError):
+        await client.download_checkpoint(model, 0, tmp_path / "export")
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}",
+                                                         "X-Art-Nb-Version": art.__version__}) as raw:
+        for name in ("..%2F..%2F..%2Fsecret", "%2Fetc%2Fpasswd", "missing.bin"):
+            response = await raw.get(f"/api/models/m/checkpoints/0/files/{name}")
+            assert response.status_code == 404
+        assert (await raw.get("/api/models/m/checkpoints/7/files")).status_code == 404
+
+
+async def test_every_route_needs_the_token(served, tmp_path):
+    _, url, _ = served
+    for key in (None, "wrong-token"):
+        with pytest.raises(RemoteBackendError, match="rejected the token \\(HTTP 401\\).*ART_NB_API_KEY") as info:
+            await make_model().register(RemoteBackend(url, api_key=key))
+        assert TOKEN not in str(info.value)
+    async with httpx.AsyncClient(base_url=url) as raw:
+        assert (await raw.get("/v1/models")).status_code == 401
+        assert (await raw.get("/v1/models", headers={"Authorization": "Bearer wrong"})).status_code == 401
+        assert (await raw.get("/api/health", headers={"Authorization": TOKEN})).status_code == 401  # no "Bearer"
+        listed = await raw.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "m"
+        no_version = await raw.get("/api/health", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert no_version.status_code == 409 and "X-Art-Nb-Version" in no_version.json()["error"]["message"]
+
+
+async def test_a_client_of_another_minor_version_is_refused_clearly(served, monkeypatch):
+    _, url, _ = served
+    monkeypatch.setattr(remote_module, "_client_version", lambda: "0.99.0")
+    with pytest.raises(RemoteBackendError, match="version mismatch: this client is 0.99.0, the server is"):
+        await make_model().register(RemoteBackend(url, api_key=TOKEN))
+
+
+async def test_a_failed_step_and_an_unknown_model_say_what_happened(served):
+    backend, url, _ = served
+    client, model = RemoteBackend(url, api_key=TOKEN), make_model()
+    with pytest.raises(RemoteBackendError, match="not registered on this server \\(it may have restarted\\).*register"):
+        await client.get_step(model)
+    await model.register(client)
+    backend.fail_with = RuntimeError("3 consecutive updates were non-finite")
+    with pytest.raises(RemoteTrainingError, match="non-finite") as info:
+        await model.train([art.TrajectoryGroup([art.Trajectory(messages_and_choices=PROMPT, reward=0.0)])])
+    assert info.value.error_type == "RuntimeError"
+
+
+async def test_the_step_finishes_on_the_server_when_the_client_goes_away(served):
+    backend, url, _ = served
+    client, model = RemoteBackend(url, api_key=TOKEN), make_model()
+    await model.register(client)
+    backend.hold = asyncio.Event()
+    task = asyncio.ensure_future(model.train([art.TrajectoryGroup([art.Trajectory(messages_and_choices=PROMPT)])]))
+    while not backend.received:
+        await asyncio.sleep(0.01)
+    task.cancel()  # Ctrl-C in the notebook, or the laptop's connection drops
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    backend.hold.set()
+    for _ in range(200):
+        if await model.get_step() == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert await model.get_step() == 1  # the re-run resumes here
+
+
+async def test_a_server_that_dies_mid_step_or_is_gone_gives_a_clear_error():
+    async def dying_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        line = json.dumps({"type": "accepted", "step": 0}).encode() + b"\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"
+                     + f"{len(line):x}\r\n".encode() + line + b"\r\n")
+        await writer.drain()
+        writer.transport.abort()  # the process died mid-step: the stream stops without an end
+
+    server = await asyncio.start_server(dying_server, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client, model = RemoteBackend(url, api_key=TOKEN, retry=RetryPolicy(attempts=2, base_delay=0.01)), make_model()
+    group = art.TrajectoryGroup([art.Trajectory(messages_and_choices=PROMPT)])
+    with pytest.raises(RemoteBackendError, match=f"lost connection to {url} during train.*register.*get_step"):
+        await asyncio.wait_for(client.train(model, [group]), 10)
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(RemoteBackendError, match=f"cannot reach the art-nb server at {url}.*art-nb serve"):
+        await client.get_step(model)
+
+
+async def test_no_token_on_loopback_means_no_auth(tmp_path):
+    backend = InstantBackend(tmp_path)
+    server = await start_server(create_serve_app(backend, token=None), host="127.0.0.1", port=0)
+    try:
+        model = make_model()
+        await model.register(RemoteBackend(server.base_url))  # ".../v1" is accepted too
+        assert await model.get_step() == 0
+        assert model.backend.inference_endpoint(model).api_key == "none"
+    finally:
+        await server.stop()
