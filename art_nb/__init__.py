@@ -24,6 +24,8 @@ from .trajectory import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from .backends.local import LocalBackend
+    from .backends.remote import RemoteBackend
+    from .backends.serverless import ServerlessBackend
 
 __version__ = "0.1.0"
 
@@ -33,6 +35,8 @@ __all__ = [
     "LocalBackend",
     "LoraConfig",
     "Model",
+    "RemoteBackend",
+    "ServerlessBackend",
     "ModelConfig",
     "TooManyExceptionsError",
     "TrainConfig",
@@ -50,8 +54,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """Backends load on first use, so `import art_nb` stays light."""
     if name == "LocalBackend":
         from .backends.local import LocalBackend
 
         return LocalBackend
+    if name == "RemoteBackend":
+        from .backends.remote import RemoteBackend
+
+        return RemoteBackend
+    if name == "ServerlessBackend":
+        from .backends.serverless import ServerlessBackend
+
+        return ServerlessBackend
     raise AttributeError(f"module 'art_nb' has no attribute {name!r}")

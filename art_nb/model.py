@@ -130,6 +130,15 @@ class TrainableModel(Model):
         """One GRPO step on `groups`; the next request to `get_inference_name()` sees the new weights."""
         return await self.backend.train(self, list(groups), config or TrainConfig(), on_progress=on_progress)
 
+    async def handoff(self, backend: Backend, **kwargs: Any) -> int:
+        """Continue training on `backend` (a ServerlessBackend) from this model's latest local LoRA.
+
+        Returns the step the hosted model starts from. docs/remote.md lists what leaves the machine.
+        """
+        from .backends.serverless import handoff
+
+        return await handoff(self, backend, **kwargs)  # type: ignore[arg-type]
+
     async def delete_checkpoints(self, steps: Iterable[int] | None = None, keep_last: int = 1) -> list[int]:
         """Delete `steps`, or every checkpoint but the newest `keep_last`. The served step is always kept."""
         return await self.backend.delete_checkpoints(self, steps, keep_last=keep_last)

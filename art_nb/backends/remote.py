@@ -140,7 +140,8 @@ class RemoteBackend:
 
     async def register(self, model: Model) -> None:
         if not model.trainable:
-            raise TypeError("RemoteBackend serves TrainableModels; for another endpoint use Model(inference_base_url=...)")
+            raise TypeError("RemoteBackend serves TrainableModels; for another endpoint use "
+                            "Model(inference_base_url=...)")
         health = await self._call("GET", "/api/health", "the version handshake")
         problem = version_mismatch(_client_version(), str(health.get("version", "?")))
         if problem:
@@ -175,7 +176,8 @@ class RemoteBackend:
                 raise TypeError(f"groups[{i}] is a {type(group).__name__}; train takes gathered TrajectoryGroups")
             if group.pending:
                 raise ValueError(f"groups[{i}] has rollouts that were never awaited: gather them first")
-        body = {"groups": [group_to_wire(g) for g in groups], "config": (config or TrainConfig()).model_dump(mode="json")}
+        body = {"groups": [group_to_wire(g) for g in groups],
+                "config": (config or TrainConfig()).model_dump(mode="json")}
         what = f"train of {model.name!r}"
         timeout = httpx.Timeout(self.timeout, read=self.read_timeout)
         result: TrainResult | None = None
@@ -218,8 +220,8 @@ class RemoteBackend:
 
     async def log(self, model: Model, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
-        items = [{"group": group_to_wire(t)} if isinstance(t, TrajectoryGroup) else {"trajectory": trajectory_to_wire(t)}
-                 for t in trajectories]
+        items = [{"group": group_to_wire(t)} if isinstance(t, TrajectoryGroup)
+                 else {"trajectory": trajectory_to_wire(t)} for t in trajectories]
         reply = await self._call("POST", f"/api/models/{model.name}/log", f"log of {model.name!r}",
                                  json={"items": items, "split": split, "step": step, "metrics": metrics})
         summary = dict(reply["summary"])

@@ -4,7 +4,7 @@ The protocol (base URL `https://api.training.wandb.ai/v1`, bearer auth with the 
 
     POST   /preview/models                          {entity, project, name, base_model, return_existing}
     POST   /preview/models/{id}/log                 {model_id, trajectory_groups, split}
-    GET    /preview/models/{id}/checkpoints         ?order=desc&limit=&after=  -> {data: [{id, step, metrics}], has_more}
+    GET    /preview/models/{id}/checkpoints         ?order=&limit=&after= -> {data: [{id, step, metrics}], has_more}
     DELETE /preview/models/{id}/checkpoints         {steps}
     POST   /preview/training-jobs                   {model_id, trajectory_groups, experimental_config} -> {id}
     GET    /preview/training-jobs/{id}/events       ?after=<event id>  -> {data: [{id, type, data}], has_more}
@@ -150,6 +150,11 @@ async def _scrubbed(work: Any, key: Secret, what: str) -> None:
         raise ServerlessError(f"{what} failed: {key.redact(f'{type(exc).__name__}: {exc}')}") from None
 
 
+def _model_dir(root: Path, model: Model) -> Path:
+    """The model's directory in the store layout (art_nb.store), without opening the store."""
+    return root / check_name("project", model.project) / "models" / check_name("name", model.name)
+
+
 # --- the backend --------------------------------------------------------------------------------
 
 
@@ -243,7 +248,7 @@ class ServerlessBackend:
     # ---- local state (what survives a kernel restart) ----------------------------------------
 
     def _state_path(self, model: Model) -> Path:
-        return self.path / check_name("project", model.project) / "models" / check_name("name", model.name) / _STATE_FILE
+        return _model_dir(self.path, model) / _STATE_FILE
 
     def _read_state(self, model: Model) -> dict[str, Any]:
         path = self._state_path(model)
@@ -260,7 +265,8 @@ class ServerlessBackend:
 
     async def register(self, model: Model) -> None:
         if not model.trainable:
-            raise TypeError("ServerlessBackend trains TrainableModels; for another endpoint use Model(inference_base_url=...)")
+            raise TypeError("ServerlessBackend trains TrainableModels; for another endpoint use "
+                            "Model(inference_base_url=...)")
         body = {"entity": self.entity, "project": model.project, "name": model.name,
                 "base_model": model.base_model, "return_existing": True}  # type: ignore[attr-defined]
         reply = await self._api("POST", "/preview/models", f"register {model.name!r}", json=body)
@@ -463,8 +469,8 @@ class ServerlessBackend:
 _STEP = re.compile(r"^\d{4,}$")
 
 
-async def handoff(model: TrainableModel, backend: ServerlessBackend, *, local_path: str | os.PathLike[str] | None = None,
-                  step: int | None = None) -> int:
+async def handoff(model: TrainableModel, backend: ServerlessBackend, *,
+                  local_path: str | os.PathLike[str] | None = None, step: int | None = None) -> int:
     """Continue training `model` on `backend` from its latest local LoRA (or `step`); returns that step.
 
     The local checkpoint comes from the backend the model is registered with (a LocalBackend), else
@@ -475,8 +481,7 @@ async def handoff(model: TrainableModel, backend: ServerlessBackend, *, local_pa
     if local_path is None and current is not None and hasattr(current, "checkpoint_dir"):
         checkpoints = Path(current.checkpoint_dir(model, 0)).parent
     else:
-        root = Path(local_path or ".art").expanduser().resolve()
-        checkpoints = root / check_name("project", model.project) / "models" / check_name("name", model.name) / "checkpoints"
+        checkpoints = _model_dir(Path(local_path or ".art").expanduser().resolve(), model) / "checkpoints"
     local_steps = sorted(int(p.name) for p in checkpoints.glob("*") if _STEP.match(p.name) and p.is_dir()) \
         if checkpoints.is_dir() else []
     if step is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -149,6 +150,9 @@ class VLLMEngine:
         for warning in check_versions("vllm"):
             _log.warning("%s", warning)
         on_cuda = torch.cuda.is_available()
+        if on_cuda:  # memory a closed engine or trainer left in PyTorch's cache counts as free
+            gc.collect()
+            torch.cuda.empty_cache()
         kwargs, reasons = engine_args(Path(model_path), config, on_cuda, enforce_eager)
         for reason in reasons:
             _log.info("vLLM: %s", reason)
@@ -167,6 +171,8 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> list[Sample]:
         self._check_alive()
+        if self._asleep:  # the server's gate holds requests while a step trains; this is a caller bug
+            raise EngineError("the engine is asleep (a train step holds the GPU); wake it before generating")
         params = request.params
         if not request.prompt_ids:
             raise EngineError("the prompt is empty")

@@ -11,11 +11,14 @@ benchmark's business (bench/gpu_tictactoe.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,17 +43,30 @@ def make_model(model_dir: Path) -> art.TrainableModel:
     )
 
 
+# One event loop for the whole module, driven by plain (sync) tests: the GPU machine has pytest but
+# not necessarily pytest-asyncio, and the backend, its OpenAI clients and the tests must share a loop.
+_LOOP = asyncio.new_event_loop()
+
+
+def in_loop(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        _LOOP.run_until_complete(test(*args, **kwargs))
+
+    return run
+
+
 @pytest.fixture(scope="module")
-async def stack(model_dir, tmp_path_factory):
+def stack(model_dir, tmp_path_factory):
     os.environ.setdefault("ART_NB_VLLM_ENFORCE_EAGER", "1")
     path = tmp_path_factory.mktemp("art")
     backend = art.LocalBackend(path=path)
     model = make_model(model_dir)
     started = time.perf_counter()
-    await model.register(backend)
+    _LOOP.run_until_complete(model.register(backend))
     record("register_s", round(time.perf_counter() - started, 1))
     yield backend, model, path
-    await backend.close()
+    _LOOP.run_until_complete(backend.close())
 
 
 def runtime_state(backend: art.LocalBackend):
@@ -84,6 +100,7 @@ def prompt_ids(backend: art.LocalBackend) -> list[int]:
     return list(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+@in_loop
 async def test_engine_and_trainer_start(stack):
     backend, model, _ = stack
     from art_nb.engines.vllm import VLLMEngine
@@ -95,6 +112,7 @@ async def test_engine_and_trainer_start(stack):
     record("engine_reasons", state.engine.reasons)
 
 
+@in_loop
 async def test_generation_returns_token_ids_and_raw_logprobs_matching_the_trainer(stack):
     import torch
 
@@ -122,6 +140,7 @@ async def test_generation_returns_token_ids_and_raw_logprobs_matching_the_traine
     assert max(gaps) < 0.15, gaps
 
 
+@in_loop
 async def test_adapter_hot_load_changes_outputs_and_unload_restores_base(stack, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
@@ -159,6 +178,7 @@ async def test_adapter_hot_load_changes_outputs_and_unload_restores_base(stack, 
     assert await greedy_ids(backend, ids, None) == base
 
 
+@in_loop
 async def test_sleep_frees_memory_and_wake_restores_identical_greedy_output(stack):
     import torch
 
@@ -184,6 +204,7 @@ async def test_sleep_frees_memory_and_wake_restores_identical_greedy_output(stac
     assert after == before
 
 
+@in_loop
 async def test_train_step_while_requests_arrive(stack):
     from safetensors.torch import load_file
 
@@ -224,6 +245,7 @@ async def test_train_step_while_requests_arrive(stack):
     assert tokens_changed or logprobs_changed
 
 
+@in_loop
 async def test_close_and_resume_serves_the_same_step(stack, model_dir):
     backend, model, path = stack
     ids = prompt_ids(backend)

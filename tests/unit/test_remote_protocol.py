@@ -98,7 +98,8 @@ async def test_what_is_retried_and_what_is_not():
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as client:
         async def send(method: str, **kwargs) -> int:
             seen.clear()
-            return (await request_with_retries(client, method, "/r", policy=policy, sleep=no_sleep, **kwargs)).status_code
+            response = await request_with_retries(client, method, "/r", policy=policy, sleep=no_sleep, **kwargs)
+            return response.status_code
 
         plan[:] = [500]
         assert await send("POST") == 500 and len(seen) == 1  # may have run: not repeated without a key
@@ -138,7 +139,8 @@ class InstantBackend:
         self.fail_with: Exception | None = None
 
     def checkpoint_dir(self, model, step=None) -> Path:
-        return self.root / model.project / "models" / model.name / "checkpoints" / f"{self.steps[model.name] if step is None else step:04d}"
+        step = self.steps[model.name] if step is None else step
+        return self.root / model.project / "models" / model.name / "checkpoints" / f"{step:04d}"
 
     def _write(self, model, step: int) -> None:
         directory = self.checkpoint_dir(model, step)
@@ -313,7 +315,8 @@ async def test_the_step_finishes_on_the_server_when_the_client_goes_away(served)
 async def test_a_server_that_dies_mid_step_or_is_gone_gives_a_clear_error():
     async def dying_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
         await reader.readexactly(length)
         line = json.dumps({"type": "accepted", "step": 0}).encode() + b"\n"
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\ntransfer-encoding: chunked\r\n\r\n"

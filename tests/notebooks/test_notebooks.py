@@ -1,0 +1,95 @@
+"""Every notebook, executed top to bottom on a real kernel (nbclient), on CPU with the offline tiny model
+and small parameters. Asserts on what each run produced: the checkpoint of the last step, an exported
+adapter that peft loads (and that holds the trained weights), a summary with the reward of every step,
+and the dashboard's static fallback (text + PNG) in the saved notebook.
+
+The executed notebooks are kept under the test's tmp directory (`*.executed.ipynb`) for inspection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zipfile
+
+import pytest
+
+from nbrun import find_cell, output_text, outputs, run_notebook
+
+pytestmark = pytest.mark.slow
+
+TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
+STEPS = 2
+SMALL = {"STEPS": STEPS, "GROUPS_PER_STEP": 2, "ROLLOUTS_PER_GROUP": 4, "MAX_SEQ_LEN": 768}
+CASES = {
+    # notebook: (model name in the notebook, extra parameters)
+    "tic_tac_toe": ("tic-tac-toe", {"EVAL_GAMES": 2}),
+    "2048": ("game-2048", {"EVAL_GAMES": 2, "MAX_TURNS": 3}),
+    "custom_rollout": ("my-task", {"EVAL_SCENARIOS": 2}),
+}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """The kernel inherits this: the tiny model resolves from its offline copy, no hub round trip."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_notebook_runs_top_to_bottom(name, tmp_path):
+    model_name, extra = CASES[name]
+    art_path, out = tmp_path / ".art", tmp_path / "out"
+    notebook, seconds = run_notebook(name, {**SMALL, **extra, "ART_PATH": str(art_path), "OUTPUT_DIR": str(out)},
+                                     tmp_path)
+    print(f"{name}: {seconds:.0f}s")
+    errors = [o for o in outputs(notebook) if o.get("output_type") == "error"]
+    assert not errors, errors
+
+    # The checkpoint of the last step, complete.
+    model_dir = art_path / "notebooks" / "models" / model_name
+    last = model_dir / "checkpoints" / f"{STEPS:04d}"
+    assert (last / "adapter_model.safetensors").is_file() and (last / "meta.json").is_file()
+    assert (model_dir / "trajectories" / "train" / f"{STEPS - 1:04d}.jsonl").is_file()
+
+    # A summary with the reward of every step, and the curve.
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == list(range(STEPS))
+    assert all(math.isfinite(s["reward"]) and s["reward_min"] <= s["reward"] <= s["reward_max"] for s in summary["steps"])
+    assert summary["served_step"] == STEPS and summary["checkpoint"] == str(last)
+    assert str(STEPS) in summary["evals"]  # the trained model's evaluation was logged
+    assert (out / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
+
+    # The exported adapter: a zip and a PEFT directory that loads and holds the last step's weights.
+    adapter = out / "export" / f"{model_name}-step{STEPS}-lora"
+    with zipfile.ZipFile(adapter.with_suffix(".zip")) as archive:
+        assert f"{adapter.name}/adapter_model.safetensors" in archive.namelist()
+    assert_peft_loads(adapter, last)
+
+    # The dashboard's static fallback, refreshed through its display id: text + PNG of the final state.
+    training = outputs(notebook, find_cell(notebook, "model.train("))
+    fallback = [o for o in training if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                and "image/png" in o.get("data", {})]
+    assert len(fallback) == 1
+    assert f"{STEPS} steps with rewards" in fallback[0]["data"]["text/plain"]
+    summary_cell = outputs(notebook, find_cell(notebook, "dashboard.summary("))
+    assert any("image/png" in o.get("data", {}) and "| 0 |" in output_text(o) for o in summary_cell)
+
+
+def assert_peft_loads(adapter_dir, checkpoint_dir):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from art_nb.models import resolve_base_model
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == TINY  # the hub id, not this machine's cache path
+    base = AutoModelForCausalLM.from_pretrained(resolve_base_model(TINY).path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    trained = load_file(checkpoint_dir / "adapter_model.safetensors")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(trained) > 0
+    some_key = next(k for k in trained if "lora_B" in k)
+    match = next(v for k, v in loaded.items() if k.replace(".default", "").endswith(some_key.split("base_model.")[-1]))
+    assert torch.equal(match, trained[some_key])
