@@ -9,6 +9,10 @@ A checkpoint is written into a hidden temporary sibling and renamed into place, 
 moment leaves either the complete checkpoint or none: "latest" is never half-written. Leftover
 temporaries from a crash are removed on the next open. Names are checked so nothing is ever written
 outside the model directory.
+
+Logs are append-only JSON lines, fsynced per append. A crash mid-append can leave a torn last line;
+the next append starts on a new line, so the torn fragment never swallows a later record, and
+readers skip lines that do not parse.
 """
 
 from __future__ import annotations
@@ -106,9 +110,13 @@ class ModelStore:
             _fsync_dir(self.checkpoints)
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(error, OSError):
+            # Writers report a full disk in their own types (safetensors: SafetensorError, torch.save:
+            # RuntimeError), not only OSError: every failure gets the same clear message. Interrupts
+            # (KeyboardInterrupt, CancelledError) are not failures and propagate as they are.
+            if isinstance(error, Exception):
+                cause = error.strerror if isinstance(error, OSError) and error.strerror else error
                 raise CheckpointError(
-                    f"could not write checkpoint {step:04d} ({error.strerror or error}); "
+                    f"could not write checkpoint {step:04d} ({type(error).__name__}: {cause}); "
                     f"the previous checkpoint (step {self.latest_step()}) is intact"
                 ) from error
             raise
@@ -128,16 +136,18 @@ class ModelStore:
     # ---- logs --------------------------------------------------------------------------------
 
     @staticmethod
-    def _append_line(path: Path, record: dict[str, Any]) -> None:
+    def _append_lines(path: Path, records: Iterable[dict[str, Any]]) -> None:
+        text = "".join(json.dumps(record, default=str, allow_nan=True) + "\n" for record in records)
         path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps(record, default=str, allow_nan=True) + "\n"
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(line)
+        with open(path, "ab") as handle:
+            if handle.tell() > 0 and not _ends_with_newline(path):
+                text = "\n" + text  # a crash cut the last line short: keep it apart from this record
+            handle.write(text.encode("utf-8"))
             handle.flush()
             os.fsync(handle.fileno())
 
     def append_history(self, record: dict[str, Any]) -> None:
-        self._append_line(self.dir / "history.jsonl", record)
+        self._append_lines(self.dir / "history.jsonl", [record])
 
     def read_history(self) -> list[dict[str, Any]]:
         path = self.dir / "history.jsonl"
@@ -153,10 +163,11 @@ class ModelStore:
 
     def append_trajectories(self, split: str, step: int, records: Iterable[dict[str, Any]]) -> Path:
         path = self.dir / "trajectories" / check_name("split", split) / f"{step:04d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, default=str) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        self._append_lines(path, records)
         return path
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"

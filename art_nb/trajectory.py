@@ -7,6 +7,9 @@ Assistant dicts are allowed (they are context, never trained on).
 
 Validation happens here, at the boundary, with errors that name the offending message and field,
 so a mistake in a rollout is reported when the trajectory is built, not deep inside a train step.
+Assignments are validated too (`trajectory.reward = float("nan")` raises at once). What cannot be
+seen at assignment, a list changed in place (`messages_and_choices.append(...)`), is checked again
+by `check_groups` before a train step, with an error naming the group, trajectory and field.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message"]
+__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message", "check_groups"]
 
 MessageOrChoice = dict[str, Any] | Choice
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -56,7 +59,7 @@ def _check_message(index: int, item: Any) -> MessageOrChoice:
 class Trajectory(BaseModel):
     """One rollout: the conversation, its reward, and anything the user wants to see later."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", validate_assignment=True)
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     reward: float = 0.0
@@ -171,3 +174,22 @@ class TrajectoryGroup(BaseModel):
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)
+
+
+def check_groups(groups: Iterable[TrajectoryGroup]) -> None:
+    """Validate every trajectory again (lists may have been changed in place since it was built).
+
+    Raises ValueError naming the group, the trajectory and the field, e.g.
+    "groups[2].trajectories[0].messages_and_choices: messages_and_choices[3] has role 'bot'; ...".
+    """
+    for i, group in enumerate(groups):
+        for j, trajectory in enumerate(group.trajectories):
+            fields = {name: getattr(trajectory, name) for name in type(trajectory).model_fields}
+            try:
+                type(trajectory).model_validate(fields)
+            except ValidationError as error:
+                problems = "; ".join(
+                    f"{'.'.join(str(part) for part in e['loc']) or 'trajectory'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in error.errors()
+                )
+                raise ValueError(f"groups[{i}].trajectories[{j}] is invalid: {problems}") from None

@@ -1,8 +1,9 @@
 """How many torch threads should the CPU engine use? Measure decode speed and decide from data.
 
 Decodes the tiny model (SmolLM2-135M-Instruct) with a plain KV-cache loop at batch 1 and batch 16,
-with 1 and 2 intra-op threads, once with the machine idle and once with a busy-loop process holding
-one core (what a colleague's job, the rollout code or the notebook's own event loop does to us).
+with 1 and 2 intra-op threads, once on the machine as found ("as_found"; the 1-minute load average
+is recorded, since a shared machine is rarely idle) and once with a busy-loop process added
+("plus_busy_core": what a colleague's job, the rollout code or the notebook's event loop does to us).
 Reports decode tokens/s (prefill excluded) and writes every raw timing to
 bench/results/cpu_threads.json, which `art_nb/_threads.py` cites for its default.
 
@@ -75,12 +76,12 @@ def main() -> None:
     )["input_ids"]
 
     runs = []
-    for load in ("idle", "one_core_busy"):
+    for load in ("as_found", "plus_busy_core"):
         for threads in (1, 2):
             for batch in (1, 16):
                 torch.set_num_threads(threads)
                 loadavg_before = os.getloadavg()[0]
-                with busy_core() if load == "one_core_busy" else _nothing():
+                with busy_core() if load == "plus_busy_core" else _nothing():
                     decode_seconds(model, prompt_ids, batch, steps=4)  # warm-up
                     seconds = [decode_seconds(model, prompt_ids, batch, args.steps) for _ in range(args.repeats)]
                     loadavg = os.getloadavg()[0]
@@ -111,8 +112,8 @@ def main() -> None:
         "model": {"id": TINY_MODEL, "path": str(resolved.path), "source": resolved.source, "dtype": "float32"},
         "prompt_tokens": int(prompt_ids.shape[1]),
         "note": (
-            "tokens_per_s_best = batch * decode_steps / fastest repeat; prefill not timed; greedy. The machine is "
-            "shared: loadavg shows how much other work ran during each configuration."
+            "tokens_per_s_best = batch * decode_steps / fastest repeat; prefill not timed; greedy. as_found: the machine "
+            "as it was (it is shared; loadavg shows other work); plus_busy_core: a busy-loop process added."
         ),
         "runs": runs,
     }

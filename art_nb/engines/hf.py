@@ -8,7 +8,10 @@ rollout's next turn starts decoding within a step instead of waiting for the bat
 that finish leave the batch at once and their request is answered as soon as its last row is done.
 
 All model work (forwards, adapter loads and deletes, device moves) runs on one worker thread, so it
-is serialized without locks and the event loop stays free for the server and the rollouts.
+is serialized without locks and the event loop stays free for the server and the rollouts. A call
+into that thread that does not return within `stall_timeout` seconds (a hung device, a deadlock)
+marks the engine dead: every waiting request fails at once with `EngineDeadError` (HTTP 503 with the
+reason) instead of hanging, and registering the model again starts a new engine.
 
 A batch decodes under one adapter. Admission is FIFO: when the head of the queue wants another
 adapter, nothing more is admitted until the running batch drains, so no adapter starves. A request
@@ -105,6 +108,10 @@ class _Batch:
 
 class HFEngine:
     """The `Engine` protocol over a transformers causal LM, with peft adapters. Create with `await HFEngine.create(...)`."""
+
+    # Seconds one call into the model thread (a forward, an adapter load) may take before the engine is
+    # declared dead. Generous: a long prefill of a larger model on CPU stays well inside it.
+    stall_timeout: float = 300.0
 
     def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, device: torch.device, threads: int) -> None:
         self._model = model
@@ -219,6 +226,11 @@ class HFEngine:
         self._paused = False
         self._wakeup.set()
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (closed, crashed, stalled), or None while it serves."""
+        return self._dead
+
     async def close(self) -> None:
         """Stop the scheduler and fail every waiting request with `EngineDeadError`."""
         if self._dead is None:
@@ -233,7 +245,7 @@ class HFEngine:
     # ---- scheduling (event loop) ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
-        while True:
+        while self._dead is None:
             doomed = self._take_doomed()
             if doomed:
                 try:
@@ -249,6 +261,10 @@ class HFEngine:
             admit = self._admissible()
             try:
                 finished = await self._in_worker(self._advance, admit)
+            except EngineDeadError:  # the worker stalled: every request has been failed already
+                for row in admit:
+                    _settle(row.job, exc=EngineDeadError(f"{self._dead}; re-register the model to start a new engine"))
+                return
             except Exception as exc:  # a failed forward fails its rows, not the engine
                 logger.exception("HF engine: batch failed")
                 failed = {row.job for row in [*self._batch.rows, *admit]}
@@ -340,7 +356,22 @@ class HFEngine:
             raise EngineDeadError(f"{self._dead}; re-register the model to start a new engine")
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        try:
+            return await asyncio.wait_for(future, self.stall_timeout)
+        except TimeoutError:
+            name = getattr(fn, "__name__", "model work").lstrip("_")
+            self._stalled(f"the engine stopped answering: {name} ran for more than {self.stall_timeout:g} s")
+            raise EngineDeadError(f"{self._dead}; re-register the model to start a new engine") from None
+
+    def _stalled(self, reason: str) -> None:
+        """The model thread is stuck: fail everything now; the thread cannot be stopped, only abandoned."""
+        if self._dead is None:
+            self._dead = reason
+        logger.error("HF engine: %s", self._dead)
+        self._fail_all(EngineDeadError(f"{self._dead}; re-register the model to start a new engine"))
+        self._drained.set()
+        self._wakeup.set()
 
     # ---- model work (worker thread) ---------------------------------------------------------------
 

@@ -78,8 +78,14 @@ def prepare_batch(
             torch.tensor(group.rewards(), dtype=torch.float64), scale=config.scale_rewards
         )
         used = False
-        for trajectory, advantage in zip(group.trajectories, advantages.tolist()):
-            item = tokenize_trajectory(tokenizer, trajectory, max_seq_len)
+        for j, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages.tolist())):
+            try:
+                item = tokenize_trajectory(tokenizer, trajectory, max_seq_len)
+            except Exception as error:  # e.g. a chat template that rejects the conversation
+                raise ValueError(
+                    f"groups[{index}].trajectories[{j}] could not be tokenized for training: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
             batch.truncated += item.truncated
             if item.trainable_tokens == 0:
                 batch.skipped_trajectories += 1

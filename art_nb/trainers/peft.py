@@ -2,12 +2,24 @@
 
 The model stays resident between steps (loading it is the slow part). The GRPO math is
 `art_nb.grpo`, shared with the Unsloth trainer; this file only owns weights, optimizer and files.
+
+Stopping a step (`should_stop`, set when the user interrupts the cell): it is checked before each
+microbatch's forward pass and once more right before the optimizer steps. Until the optimizer
+steps, stopping abandons the step with nothing changed (gradients dropped, `stopped` = 1 in the
+metrics); once it has stepped, the step is complete and the caller saves it.
+
+Nothing non-finite is kept or saved: an update that leaves a non-finite weight is reported
+(`nonfinite_weights`, `skipped_nonfinite`) for the caller to roll back, and `save` refuses
+non-finite weights or optimizer state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import pickle
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +28,7 @@ import torch
 from ..config import ModelConfig, TrainConfig
 from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
+from ..store import CheckpointError
 from ..trajectory import TrajectoryGroup
 from .base import TRAINER_STATE
 
@@ -96,29 +109,60 @@ class PeftTrainer:
             return metrics
         optimizer = self._optimizer_for(config)
         self.model.train()
-        metrics.update(grpo_step(self.model, optimizer, batch, config, device=self.device))
+        try:
+            with _stoppable(self.model, optimizer, should_stop):
+                metrics.update(grpo_step(self.model, optimizer, batch, config, device=self.device))
+        except _Stopped:
+            optimizer.zero_grad(set_to_none=True)
+            metrics["stopped"] = 1.0
+            return metrics
+        bad = self._nonfinite_weight()
+        if bad is not None:
+            _log.warning("the update left non-finite values in %s", bad)
+            metrics["nonfinite_weights"] = 1.0
+            metrics["skipped_nonfinite"] = 1.0
         return metrics
 
+    def _nonfinite_weight(self) -> str | None:
+        """The name of a trainable parameter holding NaN/inf, or None."""
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and not bool(torch.isfinite(param).all()):
+                return name
+        return None
+
     def save(self, directory: Path) -> None:
+        bad = self._nonfinite_weight()
+        if bad is not None:
+            raise ValueError(f"refusing to save non-finite adapter weights ({bad})")
+        optimizer = self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state
+        if optimizer is not None and not _all_finite(optimizer.get("state", {})):
+            raise ValueError("refusing to save a non-finite optimizer state")
         self.model.save_pretrained(directory, safe_serialization=True)
-        state = {
-            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-        }
+        state = {"optimizer": optimizer, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
         torch.save(state, directory / TRAINER_STATE)
 
     def load(self, directory: Path) -> None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        weights = load_file(str(directory / "adapter_model.safetensors"), device=self.device)
+        weights_path = directory / "adapter_model.safetensors"
+        try:
+            weights = load_file(str(weights_path), device=self.device)
+        except Exception as error:  # safetensors raises its own error type for unreadable files
+            raise CheckpointError(f"cannot read {weights_path}: {type(error).__name__}: {error}") from error
         result = set_peft_model_state_dict(self.model, weights)
         if getattr(result, "unexpected_keys", None):
             raise RuntimeError(f"checkpoint {directory} has unexpected adapter keys: {result.unexpected_keys[:3]}")
         state_path = directory / TRAINER_STATE
         if state_path.exists():
-            state = torch.load(state_path, weights_only=True, map_location=self.device)
+            try:  # weights_only: tensors and plain containers; a pickled object that runs code is refused
+                state = torch.load(state_path, weights_only=True, map_location=self.device)
+            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+                raise CheckpointError(
+                    f"refused to load {state_path}: it is not a plain tensor file ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}); delete this checkpoint to resume from "
+                    "the one before"
+                ) from error
             self._pending_optimizer_state = state.get("optimizer")
             self._optimizer = None
             if state.get("torch_rng") is not None:
@@ -126,3 +170,49 @@ class PeftTrainer:
             if state.get("python_rng") is not None:
                 python_rng = state["python_rng"]
                 random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
+
+
+class _Stopped(Exception):
+    """Raised inside a step when `should_stop()` says so, before the optimizer has stepped."""
+
+
+@contextlib.contextmanager
+def _stoppable(model: Any, optimizer: torch.optim.Optimizer, should_stop: Callable[[], bool] | None) -> Iterator[None]:
+    """Check `should_stop` before each microbatch's decoder pass and right before `optimizer.step`."""
+    if should_stop is None:
+        yield
+        return
+
+    def check(*_: Any) -> None:
+        if should_stop():
+            raise _Stopped
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    handle = decoder.register_forward_pre_hook(check)
+    step = optimizer.step
+
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        check()
+        return step(*args, **kwargs)
+
+    own_step = vars(optimizer).get("step")  # normally None: `step` is the class's method
+    optimizer.step = guarded_step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        handle.remove()
+        if own_step is None:
+            del optimizer.step
+        else:
+            optimizer.step = own_step  # type: ignore[method-assign]
+
+
+def _all_finite(state: Any) -> bool:
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_all_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_all_finite(v) for v in state)
+    return True

@@ -67,3 +67,26 @@ def find_cell(notebook: nbformat.NotebookNode, needle: str) -> int:
         if cell.cell_type == "code" and needle in cell.source:
             return index
     raise LookupError(f"no code cell contains {needle!r}")
+
+
+def main(argv: list[str]) -> int:
+    """`python nbrun.py NAME PARAMETERS_JSON WORKDIR`: one notebook per process, so several run side by side."""
+    import json
+    import sys
+
+    from nbclient.exceptions import CellExecutionError
+
+    name, parameters, workdir = argv[0], json.loads(argv[1]), Path(argv[2])
+    try:
+        _, seconds = run_notebook(name, parameters, workdir)
+    except CellExecutionError as error:
+        print(str(error)[-4000:], file=sys.stderr)
+        return 1
+    print(f"{name}: {seconds:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -3,18 +3,27 @@ and small parameters. Asserts on what each run produced: the checkpoint of the l
 adapter that peft loads (and that holds the trained weights), a summary with the reward of every step,
 and the dashboard's static fallback (text + PNG) in the saved notebook.
 
-The executed notebooks are kept under the test's tmp directory (`*.executed.ipynb`) for inspection.
+The notebooks run side by side, one kernel process each (the CPU engine and trainer use one thread
+per process on a 2-core machine, so two kernels keep both cores busy); ART_NB_NOTEBOOK_JOBS sets how
+many at once. The executed notebooks are kept under the test's tmp directory (`*.executed.ipynb`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import nbformat
 import pytest
 
-from nbrun import find_cell, output_text, outputs, run_notebook
+from nbrun import find_cell, output_text, outputs
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +38,39 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """The kernel inherits this: the tiny model resolves from its offline copy, no hub round trip."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+NBRUN = Path(__file__).with_name("nbrun.py")
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Run every notebook (in parallel processes); name -> (workdir, returncode, log, seconds)."""
+    jobs = int(os.environ.get("ART_NB_NOTEBOOK_JOBS", min(len(CASES), os.cpu_count() or 1)))
+    # The kernels inherit this: the tiny model resolves from its offline copy, no hub round trip.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def run(name: str) -> tuple[Path, int, str, float]:
+        workdir = tmp_path_factory.mktemp(name)
+        parameters = {**SMALL, **CASES[name][1], "ART_PATH": str(workdir / ".art"), "OUTPUT_DIR": str(workdir / "out")}
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, str(NBRUN), name, json.dumps(parameters), str(workdir)],
+                              capture_output=True, text=True, env=env, timeout=1800)
+        return workdir, done.returncode, done.stdout + done.stderr, time.perf_counter() - started
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = dict(zip(CASES, pool.map(run, CASES)))
+    print(f"\nnotebooks ({jobs} at a time): {time.perf_counter() - started:.0f}s wall; "
+          + ", ".join(f"{name} {r[3]:.0f}s" for name, r in results.items()))
+    return results
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_notebook_runs_top_to_bottom(name, tmp_path):
-    model_name, extra = CASES[name]
-    art_path, out = tmp_path / ".art", tmp_path / "out"
-    notebook, seconds = run_notebook(name, {**SMALL, **extra, "ART_PATH": str(art_path), "OUTPUT_DIR": str(out)},
-                                     tmp_path)
-    print(f"{name}: {seconds:.0f}s")
+def test_notebook_runs_top_to_bottom(name, executed):
+    model_name, _ = CASES[name]
+    workdir, returncode, log, _ = executed[name]
+    assert returncode == 0, log[-4000:]
+    notebook = nbformat.read(workdir / f"{name}.executed.ipynb", as_version=4)
+    art_path, out = workdir / ".art", workdir / "out"
     errors = [o for o in outputs(notebook) if o.get("output_type") == "error"]
     assert not errors, errors
 

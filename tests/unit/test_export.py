@@ -165,3 +165,30 @@ def test_result_text_lists_what_was_written(tmp_path):
     result = ExportResult(step=2, adapter_dir=tmp_path / "a", zip_path=tmp_path / "a.zip", notes=("merge skipped",))
     text = str(result)
     assert "exported step 2" in text and "a.zip" in text and "merge skipped" in text
+
+
+def test_show_export_links_the_zip_and_downloads_it_on_colab(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from art_nb.notebook import export_view
+
+    zip_path = tmp_path / "m-step2-lora.zip"
+    zip_path.write_bytes(b"PK")
+    result = ExportResult(step=2, adapter_dir=tmp_path / "m-step2-lora", zip_path=zip_path, notes=("a note",))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(export_view, "in_colab", lambda: False)
+    view = export_view.show_export(result)
+    page = view._repr_html_()
+    assert "href='m-step2-lora.zip'" in page and "a note" in page and not view.downloading
+
+    downloads = []
+    colab = types.ModuleType("google.colab")
+    colab.files = types.SimpleNamespace(download=downloads.append)
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setattr(export_view, "in_colab", lambda: True)
+    view = export_view.show_export(result)
+    assert downloads == [str(zip_path)] and view.downloading
+    assert "download of the zip has started" in str(view)
+    assert export_view.show_export(result, download=False).downloading is False

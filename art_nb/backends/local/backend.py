@@ -4,14 +4,26 @@ One runtime per `path`, shared by every `LocalBackend(path)` object in the proce
 the notebook cell that makes the backend reuses the engine that is already loaded. The runtime owns
 one engine per base model, one trainer per trainable model, the loopback OpenAI server, and the
 gate that makes requests wait (never fail) while a step trains.
+
+What a step does when things go wrong (docs/robustness.md has the tests):
+- interrupted (cell interrupt, task cancelled): before the optimizer steps, the step is abandoned
+  (no checkpoint, weights and step unchanged); after, it finishes and is saved. Either way the
+  caller's `CancelledError` arrives only once the backend has settled.
+- the checkpoint cannot be written (disk full): the trainer is put back on the last checkpoint, so
+  memory, disk and the served adapter agree, and `CheckpointError` says the previous one is intact.
+- non-finite loss, gradient or weights: nothing is applied (weights rolled back if needed), the
+  skip is counted, and `max_nonfinite_steps` in a row raise `TrainingStoppedError`.
+- a dead engine: requests get a 503 naming the cause; `register` again starts a new engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ... import events
 from ...config import ModelConfig, TrainConfig
 from ...store import ModelStore
-from ...trajectory import Trajectory, TrajectoryGroup
+from ...trajectory import Trajectory, TrajectoryGroup, check_groups
 from ..base import InferenceEndpoint, ProgressCallback, TrainResult
 from .loop import BackgroundLoop
 from .records import summarize, trajectory_record
@@ -129,10 +141,34 @@ class _Runtime:
                     f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
                     "different config; use a new name, or restart the kernel to change it"
                 )
+            if _dead_reason(state.engine) is not None:
+                await self._replace_engine(state)
             return state.choices
         state = await self._load(model)
         self.models[model.name] = state
         return state.choices
+
+    async def _replace_engine(self, state: _ModelState) -> None:
+        """Start a new engine in place of a dead one (for every model it served) and load the latest adapter."""
+        async with state.train_lock:
+            dead = state.engine
+            reason = _dead_reason(dead)
+            if reason is None:  # another register replaced it while we waited
+                return
+            _log.warning("engine for %s is dead (%s); starting a new one", state.model_name, reason)
+            key = next(k for k, engine in self.engines.items() if engine is dead)
+            with contextlib.suppress(Exception):
+                await dead.close()
+            engine = await _create_engine(key[1], Path(key[0]), state.config)
+            self.engines[key] = engine
+            for other in self.models.values():
+                if other.engine is dead:
+                    other.engine = engine
+                    other.loaded_adapters.clear()  # the others load theirs on their next request
+            state.choices["engine_restart"] = f"the previous engine died ({reason}); a new one was started"
+            if state.step > 0:
+                await engine.load_adapter(state.adapter_name(state.step), state.store.checkpoint_dir(state.step))
+                state.loaded_adapters.add(state.step)
 
     async def _load(self, model: TrainableModel) -> _ModelState:
         from ...models import resolve_base_model
@@ -189,43 +225,78 @@ class _Runtime:
             await asyncio.to_thread(state.store.append_history, {
                 "step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in rollouts.items()}})
             events.emit("log", model=model.name, step=step, split="train", metrics=rollouts)
-            timings: dict[str, float] = {}
-            mark = time.perf_counter()
-            await self.gate.pause()
+            stop = threading.Event()
+            update = asyncio.ensure_future(self._update(model, state, groups, config, stop, started))
             try:
-                await state.engine.sleep()
-                timings["time/pause"] = time.perf_counter() - mark
-                events.emit("train_started", model=model.name, step=step, groups=len(groups))
-                mark = time.perf_counter()
-                metrics = await asyncio.to_thread(state.trainer.train_step, groups, config)
-                timings["time/train"] = time.perf_counter() - mark
-                self._check_finite(state, metrics, config)
-                mark = time.perf_counter()
-                new_step = step + 1
+                result = await asyncio.shield(update)
+            except asyncio.CancelledError:
+                # Interrupted: ask the trainer to stop (it abandons the step unless the optimizer has
+                # already stepped, in which case the step is saved), and hold the lock until it settles.
+                stop.set()
+                while not update.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait({update})
+                if not update.cancelled() and update.exception() is not None:
+                    _log.error("the interrupted train step failed: %r", update.exception())
+                raise
+            assert result is not None  # only an interrupted step is abandoned
+            return result
+
+    async def _update(
+        self, model: TrainableModel, state: _ModelState, groups: list[TrajectoryGroup], config: TrainConfig,
+        stop: threading.Event, started: float,
+    ) -> TrainResult | None:
+        """Pause serving, take the step, save it, serve it. None when `stop` abandoned it."""
+        step = state.step
+        timings: dict[str, float] = {}
+        mark = time.perf_counter()
+        try:
+            await self.gate.pause()
+            await state.engine.sleep()
+            timings["time/pause"] = time.perf_counter() - mark
+            events.emit("train_started", model=model.name, step=step, groups=len(groups))
+            mark = time.perf_counter()
+            metrics = await asyncio.to_thread(state.trainer.train_step, groups, config, stop.is_set)
+            timings["time/train"] = time.perf_counter() - mark
+            if metrics.get("stopped"):
+                _log.warning("step %d interrupted before the optimizer stepped: abandoned, nothing saved", step)
+                return None
+            if metrics.get("nonfinite_weights"):  # the update itself went bad: back to the last good weights
+                await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+            self._check_finite(state, metrics, config)
+            metrics["nonfinite_in_row"] = float(state.nonfinite_in_row)
+            mark = time.perf_counter()
+            new_step = step + 1
+            try:
                 await asyncio.to_thread(
                     state.store.write_checkpoint, new_step, state.trainer.save, {"base_model": state.base_model}
                 )
-                timings["time/save"] = time.perf_counter() - mark
-                mark = time.perf_counter()
-                await state.engine.wake()
-                await state.engine.load_adapter(state.adapter_name(new_step), state.store.checkpoint_dir(new_step))
-                state.loaded_adapters.add(new_step)
-                for old in sorted(state.loaded_adapters - {new_step}):
-                    await state.engine.unload_adapter(state.adapter_name(old))
-                    state.loaded_adapters.discard(old)
-                state.step = new_step
-                timings["time/swap"] = time.perf_counter() - mark
-            finally:
-                await state.engine.wake()
-                self.gate.resume()
-            timings["time/step_total"] = time.perf_counter() - started
-            metrics = {**metrics, **timings}
-            # The update made from step `step`'s rollouts; its weights are served as `new_step`.
-            record = {"step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in metrics.items()}}
-            await asyncio.to_thread(state.store.append_history, record)
-            events.emit("train_finished", model=model.name, step=new_step, metrics=metrics,
-                        checkpoint=str(state.store.checkpoint_dir(new_step)))
-            return TrainResult(step=new_step, metrics=metrics)
+            except Exception:
+                # The update exists only in memory: go back to the last checkpoint so the trainer,
+                # the disk and the served adapter agree; the next step starts from there.
+                await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+                raise
+            state.step = new_step  # the checkpoint on disk is the truth from here on
+            timings["time/save"] = time.perf_counter() - mark
+            mark = time.perf_counter()
+            await state.engine.wake()
+            await state.engine.load_adapter(state.adapter_name(new_step), state.store.checkpoint_dir(new_step))
+            state.loaded_adapters.add(new_step)
+            for old in sorted(state.loaded_adapters - {new_step}):
+                await state.engine.unload_adapter(state.adapter_name(old))
+                state.loaded_adapters.discard(old)
+            timings["time/swap"] = time.perf_counter() - mark
+        finally:
+            await state.engine.wake()
+            self.gate.resume()
+        timings["time/step_total"] = time.perf_counter() - started
+        metrics = {**metrics, **timings}
+        # The update made from step `step`'s rollouts; its weights are served as `new_step`.
+        record = {"step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in metrics.items()}}
+        await asyncio.to_thread(state.store.append_history, record)
+        events.emit("train_finished", model=model.name, step=new_step, metrics=metrics,
+                    checkpoint=str(state.store.checkpoint_dir(new_step)))
+        return TrainResult(step=new_step, metrics=metrics)
 
     def _check_finite(self, state: _ModelState, metrics: dict[str, float], config: TrainConfig) -> None:
         if metrics.get("skipped_nonfinite"):
@@ -273,6 +344,11 @@ class _Runtime:
         if self.server is not None:
             await self.server.stop()
             self.server = None
+
+
+def _dead_reason(engine: Engine) -> str | None:
+    """Why `engine` stopped serving, or None while it serves (engines without the property never die)."""
+    return getattr(engine, "dead_reason", None)
 
 
 async def _create_engine(kind: str, path: Path, config: ModelConfig) -> Engine:
@@ -342,6 +418,7 @@ class LocalBackend:
                 raise TypeError(f"groups[{i}] is a {type(group).__name__}; train takes gathered TrajectoryGroups")
             if group.pending:
                 raise ValueError(f"groups[{i}] has rollouts that were never awaited: gather them first")
+        check_groups(groups)  # trajectories changed in place since they were built are checked again
         return await self._runtime.loop.run(self._runtime.train(model, groups, config or TrainConfig(), on_progress))
 
     async def log(self, model: Model, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",

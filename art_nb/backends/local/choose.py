@@ -18,13 +18,16 @@ def cuda_available() -> bool:
 
 
 def choose_engine(config: ModelConfig) -> tuple[str, str]:
+    """vLLM where the GPU and the installed release support it, else transformers (T4: see versions.py)."""
     if config.engine != "auto":
         return config.engine, f"{config.engine}: set in ModelConfig.engine"
     if not cuda_available():
         return "hf", "transformers: no CUDA GPU, vLLM needs one"
-    if importlib.util.find_spec("vllm") is None:
-        return "hf", "transformers: vLLM is not installed (pip install 'art-nb[gpu]')"
-    return "vllm", "vLLM: CUDA GPU and vLLM installed"
+    import torch
+
+    from ...versions import gpu_path_for, installed_version
+
+    return gpu_path_for(torch.cuda.get_device_capability(), installed_version("vllm"))
 
 
 def choose_trainer(config: ModelConfig) -> tuple[str, str]:
@@ -32,6 +35,9 @@ def choose_trainer(config: ModelConfig) -> tuple[str, str]:
         return config.trainer, f"{config.trainer}: set in ModelConfig.trainer"
     if not cuda_available():
         return "peft", "peft: no CUDA GPU, Unsloth needs one"
-    if importlib.util.find_spec("unsloth") is None:
-        return "peft", "peft: Unsloth is not installed (pip install 'art-nb[gpu]')"
-    return "unsloth", "Unsloth: CUDA GPU and Unsloth installed"
+    from ...trainers.unsloth import unsloth_unavailable_reason
+
+    reason = unsloth_unavailable_reason()
+    if reason is not None:
+        return "peft", f"peft: {reason}"
+    return "unsloth", "Unsloth: CUDA GPU and a tested Unsloth release"

@@ -9,6 +9,8 @@ across `asyncio.run` calls, and user code crosses over with one `await`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -35,14 +37,45 @@ class BackgroundLoop:
             return False
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await `coro` on the background loop from any loop. Cancelling the caller cancels it there."""
+        """Await `coro` on the background loop from any loop.
+
+        Cancelling the caller (an interrupted cell) cancels the work there too, and returns only
+        once that work has settled: when the caller sees its `CancelledError`, the backend is in a
+        consistent state (a train step abandoned or finished, never half-way), so the next cell
+        finds it ready.
+        """
         if self.is_current():
             return await coro
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return await asyncio.wrap_future(future)
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
+
+        def start() -> None:
+            task = self.loop.create_task(coro)
+            task.add_done_callback(lambda done: _copy_outcome(done, outcome))
+            started.set_result(task)
+
+        self.loop.call_soon_threadsafe(start)
+        waiter = asyncio.wrap_future(outcome)
+        try:
+            return await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            task = await asyncio.wrap_future(started)
+            self.loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # only waiting for it to settle
+                await waiter
+            raise
 
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Blocking variant for synchronous callers (CLI, atexit)."""
         if self.is_current():
             raise RuntimeError("run_sync called from the backend loop itself")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def _copy_outcome(task: asyncio.Task[T], outcome: concurrent.futures.Future[T]) -> None:
+    if task.cancelled():
+        outcome.cancel()
+    elif task.exception() is not None:
+        outcome.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        outcome.set_result(task.result())
