@@ -54,7 +54,9 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    microbatch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward; lower saves memory")
+    microbatch_tokens: int | None = Field(
+        None, ge=64, description="padded tokens per forward/backward; lower saves memory. None: the trainer picks "
+        "(1024 on CPU, where activations of 4096 tokens took >10 GB on SmolLM2-135M; 8192 on a GPU)")
     logprob_chunk_tokens: int = Field(512, ge=16, description="tokens (batch x positions) per lm_head chunk when taking logprobs: bounds logits memory")
     max_nonfinite_steps: int = Field(3, ge=1, description="consecutive skipped updates before training stops")
 

@@ -38,7 +38,9 @@ PROMPT = "Write a short story about a robot who learns to play tic-tac-toe."
 @contextmanager
 def busy_core() -> Iterator[int]:
     """A subprocess spinning on one core for as long as the block runs; yields its pid."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # Spins until its parent is gone, so a killed benchmark leaves no busy process behind.
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
     time.sleep(0.5)  # let the scheduler see it before we start timing
     try:
         yield proc.pid

@@ -46,7 +46,7 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     items = batch.items
     totals = _Totals()
-    for group in microbatches(items, config.microbatch_tokens):
+    for group in microbatches(items, config.microbatch_tokens or 4096):
         mb = _collate(group, device)
         logprobs, entropy = token_logprobs(
             model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens

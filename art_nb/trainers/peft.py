@@ -107,6 +107,8 @@ class PeftTrainer:
         if not batch.items:
             metrics["skipped_empty"] = 1.0
             return metrics
+        if config.microbatch_tokens is None:
+            config = config.model_copy(update={"microbatch_tokens": 1024 if self.device == "cpu" else 8192})
         optimizer = self._optimizer_for(config)
         self.model.train()
         try:

@@ -54,6 +54,14 @@ class TrainingStoppedError(RuntimeError):
 
 
 @dataclass
+class _StepControl:
+    """Shared by a train step and whoever interrupts it."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    training: bool = False  # the trainer has the step (before this, cancelling is enough)
+
+
+@dataclass
 class _ModelState:
     model_name: str
     base_model: str
@@ -225,14 +233,17 @@ class _Runtime:
             await asyncio.to_thread(state.store.append_history, {
                 "step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in rollouts.items()}})
             events.emit("log", model=model.name, step=step, split="train", metrics=rollouts)
-            stop = threading.Event()
-            update = asyncio.ensure_future(self._update(model, state, groups, config, stop, started))
+            control = _StepControl()
+            update = asyncio.ensure_future(self._update(model, state, groups, config, control, started))
             try:
                 result = await asyncio.shield(update)
             except asyncio.CancelledError:
-                # Interrupted: ask the trainer to stop (it abandons the step unless the optimizer has
-                # already stepped, in which case the step is saved), and hold the lock until it settles.
-                stop.set()
+                # Interrupted. Not training yet (e.g. waiting for requests to drain): just cancel.
+                # Training: ask the trainer to stop; it abandons the step unless the optimizer has
+                # already stepped, in which case the step is saved. Hold the lock until it settles.
+                control.stop.set()
+                if not control.training:
+                    update.cancel()
                 while not update.done():
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.wait({update})
@@ -244,9 +255,9 @@ class _Runtime:
 
     async def _update(
         self, model: TrainableModel, state: _ModelState, groups: list[TrajectoryGroup], config: TrainConfig,
-        stop: threading.Event, started: float,
+        control: _StepControl, started: float,
     ) -> TrainResult | None:
-        """Pause serving, take the step, save it, serve it. None when `stop` abandoned it."""
+        """Pause serving, take the step, save it, serve it. None when `control.stop` abandoned it."""
         step = state.step
         timings: dict[str, float] = {}
         mark = time.perf_counter()
@@ -256,7 +267,8 @@ class _Runtime:
             timings["time/pause"] = time.perf_counter() - mark
             events.emit("train_started", model=model.name, step=step, groups=len(groups))
             mark = time.perf_counter()
-            metrics = await asyncio.to_thread(state.trainer.train_step, groups, config, stop.is_set)
+            control.training = True  # from here on only the trainer can abandon the step
+            metrics = await asyncio.to_thread(state.trainer.train_step, groups, config, control.stop.is_set)
             timings["time/train"] = time.perf_counter() - mark
             if metrics.get("stopped"):
                 _log.warning("step %d interrupted before the optimizer stepped: abandoned, nothing saved", step)

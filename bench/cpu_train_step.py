@@ -1,0 +1,430 @@
+"""One GRPO training step on CPU: art_nb's PeftTrainer against TRL's GRPOTrainer, on the same tokens.
+
+The batch is real: tic-tac-toe games played by SmolLM2-135M-Instruct through art_nb's own OpenAI
+endpoint (the CPU notebook's shape: 4 groups x 6 games, LoRA rank 16 on every linear layer), saved
+once to bench/results/cpu_train_step_batch.json so both sides train on exactly the same token ids,
+masks, engine logprobs and advantages. Generation is excluded on both sides.
+
+- art_nb: `PeftTrainer.train_step(groups)`, i.e. `prepare_batch` (chat template + tokenisation, which
+  TRL does during generation and so is *not* timed on its side) + `grpo_step` (length-sorted
+  microbatches, forward, PPO-clip loss against the engine's logprobs, backward, clip, AdamW).
+- TRL: a `GRPOTrainer` built from the model path with a peft `LoraConfig` (its own loading path and
+  its fused LM head), fed the dict its `_generate_and_score_completions` produces for multi-turn
+  rollouts: prompt (left-padded) + completion (right-padded, the later turns included) with
+  `tool_mask` marking the sampled tokens, advantages and `old_per_token_logps` (the engine's). Then
+  `compute_loss` + `accelerator.backward` per gradient-accumulation chunk, clip, `optimizer.step()`.
+  Same loss ("grpo": per-sequence token mean, then mean over sequences; beta 0; epsilon 0.2), fp32,
+  no gradient checkpointing, the same number of microbatches as art_nb's step uses.
+
+Each side runs in its own subprocess (peak RSS is its own), warms up once, then the repeats alternate
+A B B A ... so that load from other jobs on this shared machine hits both alike; the 1-minute load
+average is recorded around every repeat. The warm-up losses and gradient norms of the two sides are
+compared too: same adapter initialisation, same objective, so they must agree.
+
+    .venv/bin/python bench/cpu_train_step.py [--repeats 4] [--threads 1] [--profile]
+    .venv/bin/python bench/cpu_train_step.py --make-batch   # re-play the games (otherwise reused)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, Results, current_rss_mib, loadavg, peak_rss_mib, stats  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+BATCH = RESULTS / "cpu_train_step_batch.json"
+LORA_RANK, LORA_ALPHA, LEARNING_RATE, MAX_SEQ_LEN = 16, 32.0, 2e-4, 1024
+TAG = "@@bench "  # worker replies are the stdout lines that start with this (libraries print too)
+
+
+# ---- the batch -----------------------------------------------------------------------------------------
+
+
+async def play_games(groups: int, group_size: int, seed: int) -> list[Any]:
+    """Tic-tac-toe groups from the real stack (LocalBackend, HF engine, OpenAI endpoint); groups with signal only."""
+    import art_nb as art
+    from art_nb.envs import tic_tac_toe as ttt
+    from art_nb.models import TINY_MODEL
+
+    model = art.TrainableModel(
+        name="bench-ttt", project="bench", base_model=TINY_MODEL,
+        config=art.ModelConfig(max_seq_len=MAX_SEQ_LEN, lora=art.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)),
+    )
+    backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
+    await model.register(backend)
+    kept: list[Any] = []
+    scenario = seed
+    while len(kept) < groups and scenario < seed + 10 * groups:
+        batch = await art.gather_trajectory_groups(
+            (art.TrajectoryGroup(ttt.rollout(model, ttt.TicTacToeScenario(seed=scenario + g)) for _ in range(group_size))
+             for g in range(groups - len(kept))),
+            pbar_desc=None,
+        )
+        scenario += groups
+        kept += [g for g in batch if len(g.trajectories) == group_size and len(set(g.rewards())) > 1]
+    await backend.close()
+    return kept[:groups]
+
+
+def dump_groups(groups: list[Any]) -> list[list[dict[str, Any]]]:
+    from art_nb.trajectory import Choice
+
+    out = []
+    for group in groups:
+        rows = []
+        for t in group.trajectories:
+            items = [{"choice": m.model_dump(mode="json")} if isinstance(m, Choice) else {"message": m}
+                     for m in t.messages_and_choices]
+            rows.append({"reward": t.reward, "items": items})
+        out.append(rows)
+    return out
+
+
+def load_groups(raw: list[list[dict[str, Any]]]) -> list[Any]:
+    from art_nb.trajectory import Choice, Trajectory, TrajectoryGroup
+
+    return [
+        TrajectoryGroup(
+            Trajectory(reward=row["reward"],
+                       messages_and_choices=[Choice.model_validate(i["choice"]) if "choice" in i else i["message"]
+                                             for i in row["items"]])
+            for row in group)
+        for group in raw
+    ]
+
+
+def make_batch(groups: int, group_size: int, seed: int) -> dict[str, Any]:
+    """Play the games, then tokenise once with art_nb: the token ids both sides train on."""
+    from transformers import AutoTokenizer
+
+    from art_nb.config import TrainConfig
+    from art_nb.grpo.advantages import prepare_batch
+    from art_nb.models import TINY_MODEL, resolve_base_model
+
+    played = asyncio.run(play_games(groups, group_size, seed))
+    raw = dump_groups(played)
+    path = resolve_base_model(TINY_MODEL).path
+    prepared = prepare_batch(load_groups(raw), AutoTokenizer.from_pretrained(path), TrainConfig(), MAX_SEQ_LEN)
+    items = [{"input_ids": i.input_ids, "mask": [int(m) for m in i.assistant_mask],
+              "engine_logprobs": [None if math.isnan(x) else x for x in i.engine_logprobs],
+              "advantage": i.advantage, "group": i.group_index} for i in prepared.items]
+    lengths = [len(i["input_ids"]) for i in items]
+    return {
+        "what": "tic-tac-toe games of SmolLM2-135M-Instruct (HF engine through art_nb's OpenAI endpoint, "
+                "temperature 1), then art_nb.grpo.prepare_batch; groups whose rewards all tie are replayed",
+        "groups": raw, "items": items,
+        "shape": {"groups": len(raw), "group_size": group_size, "sequences": len(items),
+                  "tokens": sum(lengths), "trained_tokens": sum(sum(i["mask"][1:]) for i in items),
+                  "min_len": min(lengths), "max_len": max(lengths)},
+    }
+
+
+# ---- the two workers ------------------------------------------------------------------------------------
+
+
+class ArtSide:
+    """art_nb's CPU trainer, exactly as LocalBackend runs it (minus the checkpoint write)."""
+
+    def __init__(self, batch: dict[str, Any], model_path: Path) -> None:
+        from art_nb.config import LoraConfig, ModelConfig, TrainConfig
+        from art_nb.trainers.peft import PeftTrainer
+
+        self.groups = load_groups(batch["groups"])
+        self.config = TrainConfig(learning_rate=LEARNING_RATE)
+        self.trainer = PeftTrainer(model_path, ModelConfig(
+            dtype="float32", max_seq_len=MAX_SEQ_LEN, lora=LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)), device="cpu")
+        self._check_tokens(batch)
+
+    def _check_tokens(self, batch: dict[str, Any]) -> None:
+        from art_nb.grpo.advantages import prepare_batch
+
+        prepared = prepare_batch(self.groups, self.trainer.tokenizer, self.config, MAX_SEQ_LEN)
+        if [i.input_ids for i in prepared.items] != [i["input_ids"] for i in batch["items"]]:
+            raise RuntimeError("art_nb tokenised the saved games differently from the saved batch; run --make-batch")
+
+    def step(self) -> dict[str, Any]:
+        from art_nb.grpo.advantages import prepare_batch
+        from art_nb.grpo.step import microbatches
+
+        started = time.perf_counter()
+        metrics = self.trainer.train_step(self.groups, self.config)
+        seconds = time.perf_counter() - started
+        mark = time.perf_counter()  # tokenisation alone, outside the timed step, to split it out
+        prepared = prepare_batch(self.groups, self.trainer.tokenizer, self.config, MAX_SEQ_LEN)
+        prepare_s = time.perf_counter() - mark
+        padded = sum(len(mb) * len(mb[0].input_ids) for mb in microbatches(prepared.items, self.config.microbatch_tokens))
+        return {"seconds": seconds, "prepare_batch_s": prepare_s, "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"], "microbatches": len(microbatches(prepared.items,
+                                                                                    self.config.microbatch_tokens)),
+                "padded_tokens": padded}
+
+
+class TrlSide:
+    """TRL's GRPOTrainer: its model loading, its loss (compute_loss), its accelerator and optimizer."""
+
+    def __init__(self, batch: dict[str, Any], model_path: Path, chunks: int) -> None:
+        import torch
+        from datasets import Dataset
+        from peft import LoraConfig
+        from transformers import AutoTokenizer
+        from trl import GRPOConfig, GRPOTrainer
+
+        from art_nb.config import LoraConfig as ArtLora
+
+        items = batch["items"]
+        group_size = batch["shape"]["group_size"]
+        if len(items) % chunks:
+            raise ValueError(f"{len(items)} sequences do not split into {chunks} equal chunks")
+        self.chunks = chunks
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        args = GRPOConfig(
+            output_dir=tempfile.mkdtemp(prefix="trl_bench_"), use_cpu=True, bf16=False, fp16=False,
+            gradient_checkpointing=False, per_device_train_batch_size=len(items) // chunks,
+            gradient_accumulation_steps=chunks, num_generations=group_size, loss_type="grpo", beta=0.0,
+            epsilon=0.2, temperature=1.0, learning_rate=LEARNING_RATE, max_grad_norm=1.0, weight_decay=0.0,
+            report_to="none", save_strategy="no", logging_steps=1, seed=0,
+            model_init_kwargs={"dtype": torch.float32},
+        )
+        lora = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                          target_modules=list(ArtLora().target_modules), task_type="CAUSAL_LM")
+        self.trainer = GRPOTrainer(
+            model=str(model_path), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["unused: generation is not part of this benchmark"] * 8}),
+            processing_class=tokenizer, peft_config=lora,
+        )
+        self.model = self.trainer.model
+        self.model.train()
+        self.optimizer = self.trainer.create_optimizer()
+        self.trainer.current_gradient_accumulation_steps = chunks
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.inputs = trl_inputs(items, tokenizer.pad_token_id, chunks)
+
+    def step(self) -> dict[str, Any]:
+        import torch
+
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        for chunk in self.inputs:
+            loss = self.trainer.compute_loss(self.model, chunk)
+            self.trainer.accelerator.backward(loss)
+            loss_total += float(loss.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - started
+        padded = sum(int(c["prompt_ids"].numel() + c["completion_ids"].numel()) for c in self.inputs)
+        return {"seconds": seconds, "loss": loss_total, "grad_norm": grad_norm, "microbatches": len(self.inputs),
+                "padded_tokens": padded}
+
+
+def trl_inputs(items: list[dict[str, Any]], pad_id: int, chunks: int) -> list[dict[str, Any]]:
+    """What TRL's `_generate_and_score_completions` returns for these rollouts, split as its
+    training loop splits a generation batch: padded once over the whole batch, then cut in chunks.
+
+    Multi-turn rollouts in TRL: the prompt is everything before the first sampled token; the rest is
+    the completion, with the environment's turns in it masked out by `tool_mask`.
+    """
+    import torch
+
+    prompts, completions, tool_masks, old = [], [], [], []
+    for item in items:
+        first = item["mask"].index(1)
+        prompts.append(item["input_ids"][:first])
+        completions.append(item["input_ids"][first:])
+        tool_masks.append(item["mask"][first:])
+        old.append([0.0 if x is None else x for x in item["engine_logprobs"][first:]])
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    n = len(items)
+    prompt_ids = torch.full((n, width_p), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, width_p), dtype=torch.long)
+    completion_ids = torch.full((n, width_c), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((n, width_c), dtype=torch.long)
+    tool_mask = torch.zeros((n, width_c), dtype=torch.long)
+    old_logps = torch.zeros((n, width_c), dtype=torch.float32)
+    for row in range(n):
+        p, c = prompts[row], completions[row]
+        prompt_ids[row, width_p - len(p):] = torch.tensor(p)
+        prompt_mask[row, width_p - len(p):] = 1
+        completion_ids[row, :len(c)] = torch.tensor(c)
+        completion_mask[row, :len(c)] = 1
+        tool_mask[row, :len(c)] = torch.tensor(tool_masks[row])
+        old_logps[row, :len(c)] = torch.tensor(old[row])
+    advantages = torch.tensor([i["advantage"] for i in items], dtype=torch.float32)
+    size = n // chunks
+    return [{
+        "prompt_ids": prompt_ids[s:s + size], "prompt_mask": prompt_mask[s:s + size],
+        "completion_ids": completion_ids[s:s + size], "completion_mask": completion_mask[s:s + size],
+        "tool_mask": tool_mask[s:s + size], "old_per_token_logps": old_logps[s:s + size],
+        "advantages": advantages[s:s + size],
+        "num_items_in_batch": (completion_mask * tool_mask).sum(),
+    } for s in range(0, n, size)]
+
+
+def profile_step(side: Any, top: int = 25) -> list[dict[str, Any]]:
+    """One step under torch.profiler: the ops that took the most time (self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        side.step()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1
+    return [{"op": e.key, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 3),
+             "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in rows]
+
+
+def worker(kind: str, threads: int, chunks: int) -> None:
+    """A long-lived side: loads once, then answers 'step' / 'profile' / 'quit' from stdin."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    from art_nb.models import TINY_MODEL, resolve_base_model
+
+    batch = json.loads(BATCH.read_text())
+    path = resolve_base_model(TINY_MODEL).path
+    started = time.perf_counter()
+    side = ArtSide(batch, path) if kind == "art" else TrlSide(batch, path, chunks)
+    reply({"ready": True, "load_s": time.perf_counter() - started, "rss_after_load_mib": current_rss_mib(),
+           "peak_rss_after_load_mib": peak_rss_mib(), "threads": torch.get_num_threads()})
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "step":
+            reply(side.step())
+        elif command == "profile":
+            reply({"profile": profile_step(side)})
+        elif command == "quit":
+            reply({"peak_rss_mib": peak_rss_mib(), "rss_mib": current_rss_mib()})
+            return
+
+
+def reply(data: dict[str, Any]) -> None:
+    print(TAG + json.dumps(data), flush=True)
+
+
+class Worker:
+    """The parent's handle on one side's subprocess."""
+
+    def __init__(self, kind: str, threads: int, chunks: int) -> None:
+        self.kind = kind
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", kind, "--threads", str(threads), "--chunks", str(chunks)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.ready = self._read()
+
+    def ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+        raise RuntimeError(f"the {self.kind} worker exited (code {self.proc.wait()}) without answering")
+
+    def close(self) -> dict[str, Any]:
+        final = self.ask("quit")
+        self.proc.wait(timeout=60)
+        return final
+
+
+# ---- the comparison -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=4, help="timed steps per side, after one warm-up each")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for both sides (default: art_nb's own choice for this machine)")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per side")
+    parser.add_argument("--make-batch", action="store_true", help="play the games again and overwrite the batch")
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_train_step.json")
+    parser.add_argument("--worker", choices=("art", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--chunks", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.threads or 1, args.chunks)
+        return
+
+    from art_nb._threads import choose_cpu_threads
+
+    threads, why = (args.threads, "--threads") if args.threads else choose_cpu_threads()
+    if args.make_batch or not BATCH.exists():
+        print("playing the games for the batch ...", flush=True)
+        batch = make_batch(args.groups, args.group_size, seed=0)
+        BATCH.write_text(json.dumps(batch) + "\n")
+    batch = json.loads(BATCH.read_text())
+    print("batch:", batch["shape"], flush=True)
+
+    results = Results(args.out, benchmark="cpu_train_step", batch_file=str(BATCH.relative_to(ROOT)),
+                      batch_shape=batch["shape"], threads=threads, threads_reason=why,
+                      model="HuggingFaceTB/SmolLM2-135M-Instruct (art_nb's offline GGUF copy, float32)",
+                      lora={"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "all linear"},
+                      learning_rate=LEARNING_RATE)
+    art = Worker("art", threads, 1)
+    chunks = art.ask("step")["microbatches"]  # this is the warm-up; TRL then gets as many chunks
+    warm_art = art.ask("step")  # a second warm-up: the first one allocates the optimizer state
+    trl = Worker("trl", threads, chunks)
+    warm_trl = [trl.ask("step"), trl.ask("step")]
+    results.data["warmup"] = {"art_nb": warm_art, "trl": warm_trl}
+    results.data["load"] = {"art_nb": art.ready, "trl": trl.ready}
+    runs: dict[str, list[dict[str, Any]]] = {"art_nb": [], "trl": []}
+    sides = {"art_nb": art, "trl": trl}
+    for repeat in range(args.repeats):
+        order = ("art_nb", "trl") if repeat % 2 == 0 else ("trl", "art_nb")  # A B, B A, ...
+        for name in order:
+            before = loadavg()
+            row = sides[name].ask("step")
+            row.update(repeat=repeat, loadavg_before=before, loadavg_after=loadavg())
+            runs[name].append(row)
+            print(f"  repeat {repeat} {name}: {row['seconds']:.2f} s (load {before} -> {row['loadavg_after']})",
+                  flush=True)
+        results.data["runs"] = runs
+        results.save()
+    if args.profile:
+        results.data["profile"] = {"art_nb": art.ask("profile")["profile"], "trl": trl.ask("profile")["profile"]}
+    results.data["final"] = {"art_nb": art.close(), "trl": trl.close()}
+    results.data["summary"] = summarize(runs, results.data["final"], batch["shape"])
+    results.save()
+    print(json.dumps(results.data["summary"], indent=1))
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], final: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+    seconds = {k: [r["seconds"] for r in v] for k, v in runs.items()}
+    art_step_only = [r["seconds"] - r["prepare_batch_s"] for r in runs["art_nb"]]
+    median = {k: stats(v)["median"] for k, v in seconds.items()}
+    tokens = shape["tokens"]
+    return {
+        "seconds": {k: stats(v) for k, v in seconds.items()},
+        "art_nb_prepare_batch_s": stats([r["prepare_batch_s"] for r in runs["art_nb"]]),
+        "ratio_trl_over_art_nb": round(median["trl"] / median["art_nb"], 3),
+        "ratio_trl_over_art_nb_step_only": round(median["trl"] / stats(art_step_only)["median"], 3),
+        "ratio_per_repeat": [round(t["seconds"] / a["seconds"], 3) for a, t in zip(runs["art_nb"], runs["trl"])],
+        "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
+        "trained_tokens_per_s": {k: round(shape["trained_tokens"] / v, 1) for k, v in median.items()},
+        "padded_tokens": {k: v[0]["padded_tokens"] for k, v in runs.items()},
+        "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in final.items()},
+        "note": "ratio = median TRL step time / median art_nb step time (art_nb's includes prepare_batch, "
+                "TRL's excludes its tokenisation); tokens/s = real (unpadded) tokens of the batch per second",
+    }
+
+
+if __name__ == "__main__":
+    main()
