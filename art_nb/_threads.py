@@ -3,7 +3,7 @@
 torch defaults to one intra-op thread per physical core. That is the wrong default for us: the same
 process also runs the event loop, the OpenAI server, tokenization and the user's rollout code, and on
 a small machine other work shares the cores. An intra-op thread pool that loses one of its cores
-stalls at every barrier: on our shared 2-core machine, two threads decoded the tiny model 3-11x
+stalls at every barrier: on our shared 2-core machine, two threads decoded the tiny model 1.6-11x
 slower than one whenever anything else ran (bench/results/cpu_threads.json, from
 bench/cpu_threads.py). So the default leaves one core free. Explicit choices win: the `cpu_threads`
 argument (from `ModelConfig.cpu_threads`), then the environment variable ART_NB_CPU_THREADS.

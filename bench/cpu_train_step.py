@@ -153,21 +153,21 @@ class ArtSide:
         if [i.input_ids for i in prepared.items] != [i["input_ids"] for i in batch["items"]]:
             raise RuntimeError("art_nb tokenised the saved games differently from the saved batch; run --make-batch")
 
+    def warm_up(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        metrics = self.trainer.train_step(self.groups[:1], self.config)
+        return {"seconds": time.perf_counter() - started, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+
     def step(self) -> dict[str, Any]:
         from art_nb.grpo.advantages import prepare_batch
-        from art_nb.grpo.step import microbatches
 
         started = time.perf_counter()
         metrics = self.trainer.train_step(self.groups, self.config)
         seconds = time.perf_counter() - started
         mark = time.perf_counter()  # tokenisation alone, outside the timed step, to split it out
-        prepared = prepare_batch(self.groups, self.trainer.tokenizer, self.config, MAX_SEQ_LEN)
-        prepare_s = time.perf_counter() - mark
-        padded = sum(len(mb) * len(mb[0].input_ids) for mb in microbatches(prepared.items, self.config.microbatch_tokens))
-        return {"seconds": seconds, "prepare_batch_s": prepare_s, "loss": metrics["loss"],
-                "grad_norm": metrics["grad_norm"], "microbatches": len(microbatches(prepared.items,
-                                                                                    self.config.microbatch_tokens)),
-                "padded_tokens": padded}
+        prepare_batch(self.groups, self.trainer.tokenizer, self.config, MAX_SEQ_LEN)
+        return {"seconds": seconds, "prepare_batch_s": time.perf_counter() - mark, "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"], "tokens_trained": metrics["tokens_trained"]}
 
 
 class TrlSide:
@@ -206,17 +206,24 @@ class TrlSide:
         self.model = self.trainer.model
         self.model.train()
         self.optimizer = self.trainer.create_optimizer()
-        self.trainer.current_gradient_accumulation_steps = chunks
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.inputs = trl_inputs(items, tokenizer.pad_token_id, chunks)
+        self.warm_inputs = trl_inputs(items[:group_size], tokenizer.pad_token_id, 1)  # art_nb warms up on group 0
+
+    def warm_up(self) -> dict[str, Any]:
+        return self._step(self.warm_inputs)
 
     def step(self) -> dict[str, Any]:
+        return self._step(self.inputs)
+
+    def _step(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
         started = time.perf_counter()
+        self.trainer.current_gradient_accumulation_steps = len(inputs)  # compute_loss divides by it
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
-        for chunk in self.inputs:
+        for chunk in inputs:
             loss = self.trainer.compute_loss(self.model, chunk)
             self.trainer.accelerator.backward(loss)
             loss_total += float(loss.detach())
@@ -224,8 +231,8 @@ class TrlSide:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started
-        padded = sum(int(c["prompt_ids"].numel() + c["completion_ids"].numel()) for c in self.inputs)
-        return {"seconds": seconds, "loss": loss_total, "grad_norm": grad_norm, "microbatches": len(self.inputs),
+        padded = sum(int(c["prompt_ids"].numel() + c["completion_ids"].numel()) for c in inputs)
+        return {"seconds": seconds, "loss": loss_total, "grad_norm": grad_norm, "microbatches": len(inputs),
                 "padded_tokens": padded}
 
 
@@ -284,8 +291,8 @@ def profile_step(side: Any, top: int = 25) -> list[dict[str, Any]]:
              "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in rows]
 
 
-def worker(kind: str, threads: int, chunks: int) -> None:
-    """A long-lived side: loads once, then answers 'step' / 'profile' / 'quit' from stdin."""
+def worker(kind: str, threads: int, chunks: int, profile: bool) -> None:
+    """One side in its own process: load, warm up on the first group, then one timed (or profiled) full step."""
     import torch
 
     torch.set_num_threads(threads)
@@ -296,51 +303,47 @@ def worker(kind: str, threads: int, chunks: int) -> None:
     path = resolve_base_model(TINY_MODEL).path
     started = time.perf_counter()
     side = ArtSide(batch, path) if kind == "art" else TrlSide(batch, path, chunks)
-    reply({"ready": True, "load_s": time.perf_counter() - started, "rss_after_load_mib": current_rss_mib(),
-           "peak_rss_after_load_mib": peak_rss_mib(), "threads": torch.get_num_threads()})
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "step":
-            reply(side.step())
-        elif command == "profile":
-            reply({"profile": profile_step(side)})
-        elif command == "quit":
-            reply({"peak_rss_mib": peak_rss_mib(), "rss_mib": current_rss_mib()})
-            return
+    row: dict[str, Any] = {"load_s": time.perf_counter() - started, "rss_after_load_mib": current_rss_mib(),
+                           "threads": torch.get_num_threads()}
+    warm = side.warm_up()  # the same group on both sides: lazy inits, thread pools, AdamW state
+    row["warmup"] = {k: warm[k] for k in ("seconds", "loss", "grad_norm")}
+    if profile:
+        row["profile"] = profile_step(side)
+    else:
+        row.update(side.step())
+    row.update(peak_rss_mib=peak_rss_mib(), rss_mib=current_rss_mib())
+    print(TAG + json.dumps(row), flush=True)
 
 
-def reply(data: dict[str, Any]) -> None:
-    print(TAG + json.dumps(data), flush=True)
+def run_worker(kind: str, threads: int, chunks: int, profile: bool = False) -> dict[str, Any]:
+    """Start one side's process and return its report (stdout lines other than ours are library noise)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, __file__, "--worker", kind, "--threads", str(threads), "--chunks", str(chunks)]
+    done = subprocess.run(command + (["--profile"] if profile else []), capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+    for line in done.stdout.splitlines():
+        if line.startswith(TAG):
+            return json.loads(line[len(TAG):])
+    raise RuntimeError(f"the {kind} worker failed (exit {done.returncode}): {done.stderr[-3000:]}")
 
 
-class Worker:
-    """The parent's handle on one side's subprocess."""
+def wait_for_memory(need_gib: float, timeout_s: float = 3600) -> float:
+    """Wait until the machine has `need_gib` available (it is shared: never push a colleague's job
+    into the OOM killer). Returns the seconds waited."""
+    started = time.monotonic()
+    while True:
+        available = _available_gib()
+        if available >= need_gib or time.monotonic() - started > timeout_s:
+            return round(time.monotonic() - started, 1)
+        print(f"  waiting for memory: {available:.1f} GiB available, {need_gib} needed", flush=True)
+        time.sleep(30)
 
-    def __init__(self, kind: str, threads: int, chunks: int) -> None:
-        self.kind = kind
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", kind, "--threads", str(threads), "--chunks", str(chunks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self.ready = self._read()
 
-    def ask(self, command: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(TAG):
-                return json.loads(line[len(TAG):])
-        raise RuntimeError(f"the {self.kind} worker exited (code {self.proc.wait()}) without answering")
-
-    def close(self) -> dict[str, Any]:
-        final = self.ask("quit")
-        self.proc.wait(timeout=60)
-        return final
+def _available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return math.inf
 
 
 # ---- the comparison -------------------------------------------------------------------------------------

@@ -85,3 +85,41 @@ def make_choice(tokenizer, text: str, *, eos: bool = True, tool_calls=None, send
 @pytest.fixture(scope="session")
 def chatml_tokenizer():
     return build_chatml_tokenizer()
+
+
+class FakeModel:
+    """Stands in for `art_nb.Model` in env unit tests: an OpenAI-shaped client whose replies come
+    from `policy(last user message)`. The real endpoint is covered by the integration tests."""
+
+    def __init__(self, policy, inference_name: str = "tiny@3") -> None:
+        import itertools
+
+        self.policy = policy
+        self.inference_name = inference_name
+        self.calls: list[dict] = []
+        self._ids = itertools.count()
+
+    def get_inference_name(self) -> str:
+        return self.inference_name
+
+    def openai_client(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=self._create)))
+
+    async def _create(self, **request):
+        from openai.types.chat import ChatCompletion
+
+        self.calls.append(request)
+        content = self.policy(request["messages"][-1]["content"])
+        choice = {
+            "index": 0,
+            "finish_reason": "stop",
+            "message": {"role": "assistant", "content": content},
+            "logprobs": {"content": [{"token": "<", "logprob": -0.5, "top_logprobs": []}]},
+            "token_ids": [1, 2, 3],
+        }
+        return ChatCompletion.model_validate(
+            {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": 0,
+             "model": request["model"], "choices": [choice]}
+        )

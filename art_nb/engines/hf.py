@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 

@@ -3,17 +3,14 @@ conditions, reward ordering, seeded replay, and the rollout loop against a fake 
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import re
 from collections.abc import Callable
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletion
 from openai.types.chat.chat_completion import Choice
+from conftest import FakeModel
 
 from art_nb.envs import game_2048 as g2048
 from art_nb.envs.game_2048 import Game2048, Game2048Scenario
@@ -251,41 +248,6 @@ def first_valid(board_message: str) -> str:
     direction = re.search(r"Valid moves: (\w+)", board_message).group(1)
     return f"<move>{direction}</move>"
 
-
-class FakeModel:
-    """Stands in for `art_nb.Model`: an OpenAI-shaped client whose replies come from `policy`."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-        self.calls: list[dict[str, Any]] = []
-        self._ids = itertools.count()
-
-    def get_inference_name(self) -> str:
-        return "tiny"
-
-    def openai_client(self) -> Any:
-        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=self._create)))
-
-    async def _create(self, **request: Any) -> ChatCompletion:
-        self.calls.append(request)
-        content = self.policy(request["messages"][-1]["content"])
-        return ChatCompletion.model_validate(
-            {
-                "id": f"chatcmpl-{next(self._ids)}",
-                "object": "chat.completion",
-                "created": 0,
-                "model": request["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "finish_reason": "stop",
-                        "message": {"role": "assistant", "content": content},
-                        "logprobs": None,
-                        "token_ids": [7, 8],
-                    }
-                ],
-            }
-        )
 
 
 async def test_rollout_plays_until_the_turn_cap_one_user_message_per_board():

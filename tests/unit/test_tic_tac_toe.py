@@ -3,15 +3,12 @@ and the rollout/evaluate loop against a fake OpenAI client that answers by a scr
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletion
 from openai.types.chat.chat_completion import Choice
+from conftest import FakeModel
 
 from art_nb.envs import tic_tac_toe as ttt
 from art_nb.envs.tic_tac_toe import TicTacToeGame, TicTacToeScenario
@@ -195,41 +192,6 @@ def first_legal(board_message: str) -> str:
     cell = re.search(r"Legal moves: (\w+)", board_message).group(1)
     return f"<move>{cell}</move>"
 
-
-class FakeModel:
-    """Stands in for `art_nb.Model`: an OpenAI-shaped client whose replies come from `policy`."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-        self.calls: list[dict[str, Any]] = []
-        self._ids = itertools.count()
-
-    def get_inference_name(self) -> str:
-        return "tiny@3"
-
-    def openai_client(self) -> Any:
-        return SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=self._create)))
-
-    async def _create(self, **request: Any) -> ChatCompletion:
-        self.calls.append(request)
-        content = self.policy(request["messages"][-1]["content"])
-        return ChatCompletion.model_validate(
-            {
-                "id": f"chatcmpl-{next(self._ids)}",
-                "object": "chat.completion",
-                "created": 0,
-                "model": request["model"],
-                "choices": [
-                    {
-                        "index": 0,
-                        "finish_reason": "stop",
-                        "message": {"role": "assistant", "content": content},
-                        "logprobs": {"content": [{"token": "<", "logprob": -0.5, "top_logprobs": []}]},
-                        "token_ids": [1, 2, 3],
-                    }
-                ],
-            }
-        )
 
 
 async def test_rollout_plays_a_whole_game_one_user_message_per_board():

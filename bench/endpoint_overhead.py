@@ -12,7 +12,7 @@ Same sampling on both (temperature 1, a seed per request, so both sample the ver
 length fixed by `ignore_eos` + `max_tokens`). Repeats alternate A B B A ... and record the 1-minute load
 average, because the machine is shared. Overhead = endpoint time / direct time - 1 (goal: < 10%).
 
-    .venv/bin/python bench/endpoint_overhead.py [--concurrency 1 8 32] [--tokens 32] [--repeats 3]
+    .venv/bin/python bench/endpoint_overhead.py [--concurrency 1 8 32] [--tokens 32] [--repeats 4]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=32, help="completion tokens per request (fixed: ignore_eos)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "endpoint_overhead.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
