@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TINY_MODEL", "ResolvedModel", "resolve_base_model", "models_cache_dir"]
+__all__ = ["TINY_MODEL", "ResolvedModel", "models_cache_dir", "resolve_base_model"]
 
 logger = logging.getLogger("art_nb")
 
@@ -123,7 +123,7 @@ def _from_hub(repo_id: str, *, local_files_only: bool) -> Path | str:
                 etag_timeout=_HUB_ETAG_TIMEOUT_S,
             )
         )
-    except Exception as exc:  # network, auth, missing repo: all mean "try the next source"
+    except Exception as exc:  # noqa: BLE001 -- network, auth, missing repo: all mean "try the next source"
         if local_files_only:
             return "not cached"
         # The type names the cause (offline, auth, not found); hub messages run to paragraphs.
@@ -158,7 +158,9 @@ def _from_gguf(base_model: str) -> tuple[Path, str]:
         return dest, f"using the copy converted earlier from {gguf.name}"
     if importlib.util.find_spec("gguf") is None:
         raise RuntimeError(f"converting {gguf.name} needs the gguf reader: run `pip install gguf`")
-    from filelock import FileLock  # a transformers dependency; works on every OS, unlike fcntl
+    from filelock import (
+        FileLock,  # a transformers dependency; works on every OS, unlike fcntl
+    )
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(dest.parent / f".{dest.name}.lock")):

@@ -20,17 +20,17 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from art_nb.models import TINY_MODEL, resolve_base_model  # noqa: E402
+from art_nb.models import TINY_MODEL, resolve_base_model
 
 PROMPT = "Write a short story about a robot who learns to play tic-tac-toe."
 

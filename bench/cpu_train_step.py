@@ -351,19 +351,20 @@ def _available_gib() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=4, help="timed steps per side, after one warm-up each")
+    parser.add_argument("--repeats", type=int, default=4, help="timed steps per side (each after a warm-up)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both sides (default: art_nb's own choice for this machine)")
     parser.add_argument("--profile", action="store_true", help="also profile one step per side")
     parser.add_argument("--make-batch", action="store_true", help="play the games again and overwrite the batch")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=6)
+    parser.add_argument("--need-gib", type=float, default=8.0, help="free memory to wait for before each run")
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_train_step.json")
     parser.add_argument("--worker", choices=("art", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--chunks", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.threads or 1, args.chunks)
+        worker(args.worker, args.threads or 1, args.chunks, args.profile)
         return
 
     from art_nb._threads import choose_cpu_threads
@@ -374,56 +375,71 @@ def main() -> None:
         batch = make_batch(args.groups, args.group_size, seed=0)
         BATCH.write_text(json.dumps(batch) + "\n")
     batch = json.loads(BATCH.read_text())
-    print("batch:", batch["shape"], flush=True)
+    layout = art_microbatches(batch)
+    print("batch:", batch["shape"], "art_nb microbatches:", layout, flush=True)
 
     results = Results(args.out, benchmark="cpu_train_step", batch_file=str(BATCH.relative_to(ROOT)),
                       batch_shape=batch["shape"], threads=threads, threads_reason=why,
                       model="HuggingFaceTB/SmolLM2-135M-Instruct (art_nb's offline GGUF copy, float32)",
                       lora={"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "all linear"},
-                      learning_rate=LEARNING_RATE)
-    art = Worker("art", threads, 1)
-    chunks = art.ask("step")["microbatches"]  # this is the warm-up; TRL then gets as many chunks
-    warm_art = art.ask("step")  # a second warm-up: the first one allocates the optimizer state
-    trl = Worker("trl", threads, chunks)
-    warm_trl = [trl.ask("step"), trl.ask("step")]
-    results.data["warmup"] = {"art_nb": warm_art, "trl": warm_trl}
-    results.data["load"] = {"art_nb": art.ready, "trl": trl.ready}
+                      learning_rate=LEARNING_RATE, art_nb_microbatches=layout,
+                      method="each repeat is a fresh process per side: load, warm-up step on group 0, one timed "
+                             "step on the whole batch; sides alternate A B B A; peak RSS = getrusage maxrss")
     runs: dict[str, list[dict[str, Any]]] = {"art_nb": [], "trl": []}
-    sides = {"art_nb": art, "trl": trl}
+    kinds = {"art_nb": "art", "trl": "trl"}
     for repeat in range(args.repeats):
-        order = ("art_nb", "trl") if repeat % 2 == 0 else ("trl", "art_nb")  # A B, B A, ...
+        order = ("art_nb", "trl") if repeat % 2 == 0 else ("trl", "art_nb")
         for name in order:
+            waited = wait_for_memory(args.need_gib)
             before = loadavg()
-            row = sides[name].ask("step")
-            row.update(repeat=repeat, loadavg_before=before, loadavg_after=loadavg())
+            row = run_worker(kinds[name], threads, layout["count"])
+            row.update(repeat=repeat, loadavg_before=before, loadavg_after=loadavg(), waited_for_memory_s=waited)
             runs[name].append(row)
-            print(f"  repeat {repeat} {name}: {row['seconds']:.2f} s (load {before} -> {row['loadavg_after']})",
-                  flush=True)
-        results.data["runs"] = runs
-        results.save()
+            print(f"  repeat {repeat} {name}: {row['seconds']:.1f} s, loss {row['loss']:.5f}, peak RSS "
+                  f"{row['peak_rss_mib']:.0f} MiB (load {before} -> {row['loadavg_after']})", flush=True)
+            results.data["runs"] = runs
+            results.save()
     if args.profile:
-        results.data["profile"] = {"art_nb": art.ask("profile")["profile"], "trl": trl.ask("profile")["profile"]}
-    results.data["final"] = {"art_nb": art.close(), "trl": trl.close()}
-    results.data["summary"] = summarize(runs, results.data["final"], batch["shape"])
+        results.data["profile"] = {}
+        for name in ("art_nb", "trl"):
+            wait_for_memory(args.need_gib)
+            results.data["profile"][name] = run_worker(kinds[name], threads, layout["count"], profile=True)
+            results.save()
+    results.data["summary"] = summarize(runs, batch["shape"], layout)
     results.save()
     print(json.dumps(results.data["summary"], indent=1))
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], final: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+def art_microbatches(batch: dict[str, Any]) -> dict[str, Any]:
+    """How art_nb's step splits this batch (TRL is given as many gradient-accumulation chunks)."""
+    from art_nb.config import TrainConfig
+    from art_nb.grpo.step import microbatches
+    from art_nb.grpo.tokens import TokenizedTrajectory
+
+    items = [TokenizedTrajectory(i["input_ids"], [bool(m) for m in i["mask"]], [0.0] * len(i["mask"]))
+             for i in batch["items"]]
+    groups = microbatches(items, TrainConfig().microbatch_tokens)
+    return {"count": len(groups), "sizes": [len(g) for g in groups],
+            "padded_tokens": sum(len(g) * len(g[0].input_ids) for g in groups)}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], shape: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     seconds = {k: [r["seconds"] for r in v] for k, v in runs.items()}
     art_step_only = [r["seconds"] - r["prepare_batch_s"] for r in runs["art_nb"]]
     median = {k: stats(v)["median"] for k, v in seconds.items()}
-    tokens = shape["tokens"]
     return {
         "seconds": {k: stats(v) for k, v in seconds.items()},
         "art_nb_prepare_batch_s": stats([r["prepare_batch_s"] for r in runs["art_nb"]]),
         "ratio_trl_over_art_nb": round(median["trl"] / median["art_nb"], 3),
         "ratio_trl_over_art_nb_step_only": round(median["trl"] / stats(art_step_only)["median"], 3),
         "ratio_per_repeat": [round(t["seconds"] / a["seconds"], 3) for a, t in zip(runs["art_nb"], runs["trl"])],
-        "tokens_per_s": {k: round(tokens / v, 1) for k, v in median.items()},
+        "tokens_per_s": {k: round(shape["tokens"] / v, 1) for k, v in median.items()},
         "trained_tokens_per_s": {k: round(shape["trained_tokens"] / v, 1) for k, v in median.items()},
-        "padded_tokens": {k: v[0]["padded_tokens"] for k, v in runs.items()},
-        "peak_rss_mib": {k: v["peak_rss_mib"] for k, v in final.items()},
+        "padded_tokens": {"art_nb": layout["padded_tokens"], "trl": runs["trl"][0]["padded_tokens"]},
+        "peak_rss_mib": {k: max(r["peak_rss_mib"] for r in v) for k, v in runs.items()},
+        "loss": {k: [r["loss"] for r in v] for k, v in runs.items()},
+        "warmup_loss": {k: v[0]["warmup"]["loss"] for k, v in runs.items()},
+        "warmup_grad_norm": {k: v[0]["warmup"]["grad_norm"] for k, v in runs.items()},
         "note": "ratio = median TRL step time / median art_nb step time (art_nb's includes prepare_batch, "
                 "TRL's excludes its tokenisation); tokens/s = real (unpadded) tokens of the batch per second",
     }

@@ -16,14 +16,14 @@ from art_nb.engines.base import (
 )
 
 __all__ = [
-    "Engine",
-    "EngineError",
     "ContextTooLongError",
+    "Engine",
     "EngineDeadError",
-    "SamplingParams",
+    "EngineError",
     "GenerationRequest",
-    "Sample",
     "HFEngine",
+    "Sample",
+    "SamplingParams",
 ]
 
 

@@ -28,10 +28,11 @@ import inspect
 import itertools
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -48,7 +49,7 @@ from art_nb.engines.base import (
     SamplingParams,
 )
 
-__all__ = ["HFEngine", "EngineStats"]
+__all__ = ["EngineStats", "HFEngine"]
 
 logger = logging.getLogger("art_nb")
 T = TypeVar("T")

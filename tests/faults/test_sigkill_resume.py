@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from faults.conftest import Zygote, read_events
+from faults.conftest import Zygote, read_events, wait_for_event
 from faults.worker import GROUP_SIZE, GROUPS_PER_STEP, MODEL_NAME, STEPS
 
 pytestmark = pytest.mark.slow
@@ -134,8 +134,10 @@ class Chain:
         self.kills.append(point)
 
     def kill_after(self, seconds: float) -> None:
+        """SIGKILL `seconds` after the run has resumed (the restart itself takes a varying time)."""
         resume_at, logs, seen = self._before()
         pid = self.zygote.start(scenario="train", run_dir=self.run_dir, model_dir=self.model)
+        wait_for_event(self.run_dir, "resumed", pid=pid)
         code = self.zygote.signal_after(pid, seconds)
         if code is None:
             code = self.zygote.wait(pid)
@@ -182,11 +184,14 @@ def test_killed_at_named_points_resumes_exactly(chain: str, zygote: Zygote, tiny
 
 def test_killed_at_random_moments_resumes_exactly(zygote: Zygote, tiny_model_dir: Path, reference: Path,
                                                   tmp_path: Path) -> None:
+    # Kill somewhere inside the first step after each restart: gathering, training or saving.
+    times = [e["time"] for e in read_events(reference) if e["event"] in ("resumed", "trained")]
+    step_time = sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2 - 1]
     rng = random.Random(20240601)
     run = Chain(zygote, tmp_path / "random", tiny_model_dir)
     for _ in range(RANDOM_KILLS):
-        run.kill_after(rng.uniform(1.0, 4.0))
-    assert len(run.kills) >= RANDOM_KILLS - 1, f"most runs ended before their kill: {run.kills}"
+        run.kill_after(rng.uniform(0.0, step_time))
+    assert len(run.kills) == RANDOM_KILLS, f"runs ended before their kill: {run.kills}"
     run.finish()
     assert_same_as_reference(run.run_dir, reference)
 

@@ -13,7 +13,13 @@ import pytest_asyncio
 import torch
 
 from art_nb.config import ModelConfig
-from art_nb.engines.base import ContextTooLongError, EngineDeadError, EngineError, GenerationRequest, SamplingParams
+from art_nb.engines.base import (
+    ContextTooLongError,
+    EngineDeadError,
+    EngineError,
+    GenerationRequest,
+    SamplingParams,
+)
 from art_nb.engines.hf import EngineStats, HFEngine
 from art_nb.models import TINY_MODEL, resolve_base_model
 
@@ -127,18 +133,24 @@ async def test_seeded_sampling_does_not_depend_on_batch_neighbours(engine: HFEng
     assert crowded.token_ids == alone.token_ids
 
 
-async def test_adapter_changes_output_and_unloading_restores_base(engine: HFEngine, model_path: Path, tmp_path: Path) -> None:
+def random_lora(model_path: Path, out: Path, seed: int):
+    """A LoRA adapter with large random B, so greedy output surely changes; returns the peft model."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path), lora).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # large random B so the greedy output surely changes
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
         for name, weight in peft_model.named_parameters():
             if "lora_B" in name:
                 weight.copy_(torch.randn(weight.shape, generator=generator))
-    peft_model.save_pretrained(tmp_path / "lora")
+    peft_model.save_pretrained(out)
+    return peft_model
+
+
+async def test_adapter_changes_output_and_unloading_restores_base(engine: HFEngine, model_path: Path, tmp_path: Path) -> None:
+    peft_model = random_lora(model_path, tmp_path / "lora", seed=0)
 
     prompt = chat(engine, "What is the capital of France?")
     [base] = await engine.generate(GenerationRequest(prompt, GREEDY))
@@ -193,3 +205,28 @@ async def test_close_fails_waiting_requests(model_path: Path) -> None:
         await pending
     with pytest.raises(EngineDeadError):
         await engine.generate(GenerationRequest(chat(engine, "hi"), GREEDY))
+
+
+async def test_replacing_an_adapter_keeps_submitted_requests_on_the_old_weights(engine: HFEngine, model_path: Path, tmp_path: Path) -> None:
+    random_lora(model_path, tmp_path / "v1", seed=1)
+    random_lora(model_path, tmp_path / "v2", seed=2)
+    prompt = chat(engine, "Describe the sea.")
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    await engine.load_adapter("m", tmp_path / "v2")
+    [v2_alone] = await engine.generate(GenerationRequest(prompt, params, adapter="m"))
+    await engine.load_adapter("m", tmp_path / "v1")
+    [v1_alone] = await engine.generate(GenerationRequest(prompt, params, adapter="m"))
+    assert v1_alone.token_ids != v2_alone.token_ids
+
+    engine.stats = EngineStats()
+    in_flight = asyncio.create_task(engine.generate(GenerationRequest(prompt, params, adapter="m")))
+    while engine.stats.steps < 3:
+        await asyncio.sleep(0.01)
+    await engine.load_adapter("m", tmp_path / "v2")  # replaces v1 while a request decodes with it
+    [after] = await engine.generate(GenerationRequest(prompt, params, adapter="m"))
+    [during] = await in_flight
+    assert during.token_ids == v1_alone.token_ids
+    assert after.token_ids == v2_alone.token_ids
+    await engine.unload_adapter("m")
+    assert not engine._retired
+    assert not hasattr(engine._model, "peft_config")  # v1 went when its request ended, v2 on unload: LoRA layers removed

@@ -319,6 +319,8 @@ def test_no_gpu_picks_the_offline_tiny_model_and_few_steps():
     assert "offline" in d.reasons["base_model"]
     config = d.model_config(max_seq_len=768)
     assert (config.engine, config.trainer, config.max_seq_len) == ("hf", "peft", 768)
+    train = d.train_config(learning_rate=1e-3)
+    assert (train.learning_rate, train.microbatch_tokens) == (1e-3, 1024)  # bounded memory on a laptop
 
 
 def test_colab_t4_gets_fp16_and_the_transformers_engine():

@@ -1,0 +1,101 @@
+"""An engine that dies or stops answering: requests fail fast with a 503 that says why; re-register recovers.
+
+Faults injected into the real HFEngine behind the real endpoint: its scheduler crashes (dies), or a
+forward pass never returns (a hung device, a deadlock: stops answering). The OpenAI client is the
+user's, with its default 600 s timeout: the bound must come from the engine, not the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+import art_nb as art
+from art_nb.engines.base import EngineDeadError
+from faults.conftest import gather_groups, rollout, tiny_trainable
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def served(tiny_model_dir: Path, tmp_path: Path):
+    backend = art.LocalBackend(path=tmp_path)
+    model = tiny_trainable("engine-faults", tiny_model_dir)
+    await model.register(backend)
+    await model.train(await gather_groups(model))  # step 1: the restarted engine must serve it
+    yield backend, model, backend._runtime.models["engine-faults"]
+    await backend.close()
+
+
+async def expect_503(model: art.TrainableModel, *needles: str, within: float) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as caught:
+        await rollout(model, 1)
+    assert time.monotonic() - started < within
+    assert caught.value.status_code == 503
+    for needle in needles:
+        assert needle in str(caught.value), str(caught.value)
+
+
+async def test_a_dead_engine_fails_requests_at_once_and_reregistering_recovers(served) -> None:
+    backend, model, state = served
+    dead = state.engine
+
+    def crash() -> list:
+        raise RuntimeError("simulated device failure")
+
+    dead._admissible = crash  # the scheduler dies on its next round
+    await expect_503(model, "scheduler crashed", "simulated device failure", "re-register", within=10)
+    await expect_503(model, "re-register", within=2)  # and keeps failing fast, never hanging
+    assert dead.dead_reason is not None
+
+    await model.register(backend)  # what a re-run of the register cell does
+    assert state.engine is not dead and state.engine.dead_reason is None
+    assert "engine_restart" in backend.choices(model)
+    trajectory = await rollout(model, 2)
+    assert trajectory.choices()[0].model_extra["token_ids"]
+    completion = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert completion.model == f"{model.name}@1"  # the trained adapter is served again
+    assert (await model.train(await gather_groups(model, seed=5))).step == 2
+
+
+async def test_a_hung_engine_fails_requests_within_the_stall_timeout(served) -> None:
+    backend, model, state = served
+    groups = await gather_groups(model, seed=7)  # gathered while the engine still answers
+    hung = state.engine
+    hung.stall_timeout = 1.5
+    release = threading.Event()
+
+    def never_returns(admit: list) -> list:
+        release.wait(120)
+        return []
+
+    hung._advance = never_returns
+    try:
+        started = time.monotonic()
+        results = await asyncio.gather(*(rollout(model, i) for i in range(4)), return_exceptions=True)
+        elapsed = time.monotonic() - started
+        assert elapsed < 15, f"requests to a hung engine took {elapsed:.1f} s to fail"
+        for result in results:
+            assert isinstance(result, openai.InternalServerError) and result.status_code == 503, result
+            assert "stopped answering" in str(result) and "more than 1.5 s" in str(result)
+
+        # Training while the engine is dead: the step is saved, then the swap reports the dead engine.
+        with pytest.raises(EngineDeadError, match="stopped answering"):
+            await model.train(groups)
+        assert state.step == 2 and state.store.latest_step() == 2
+
+        await model.register(backend)
+        assert state.engine is not hung
+        completion = await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert completion.model == f"{model.name}@2"
+    finally:
+        release.set()  # let the stuck thread go
+
