@@ -91,7 +91,8 @@ class Model(BaseModel):
         client = self._clients.get(key)
         if client is None:
             kwargs.setdefault("timeout", 600.0)
-            kwargs.setdefault("max_retries", 0)  # the endpoint never drops a request during training
+            # Requests wait (never fail) while a step trains; retries only cover a dropped connection.
+            kwargs.setdefault("max_retries", 2)
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
             self._clients[key] = client
         return client

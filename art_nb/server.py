@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -63,6 +63,8 @@ __all__ = [
     "RunningServer",
     "start_server",
 ]
+
+T = TypeVar("T")
 
 _MAX_N = 256
 _MIN_LOGPROB = -9999.0
@@ -153,13 +155,17 @@ class _APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry = retry
 
     def response(self) -> JSONResponse:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
+        # OpenAI clients retry 5xx answers unless told not to; retrying a dead engine only delays the error.
+        headers = None if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
+        return JSONResponse({"error": error}, status_code=self.status, headers=headers)
 
 
 def _validation_error(exc: ValidationError) -> _APIError:
@@ -354,7 +360,7 @@ async def _generate(served: ServedModel, prompt_ids: list[int], params: Sampling
     except ContextTooLongError as exc:
         raise _APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
     except EngineDeadError as exc:
-        raise _APIError(503, str(exc), type="server_error", code="engine_dead") from exc
+        raise _APIError(503, str(exc), type="server_error", code="engine_dead", retry=False) from exc
     except EngineError as exc:
         raise _APIError(500, str(exc), type="server_error", code="engine_error") from exc
 
@@ -417,6 +423,32 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
 # --- the app ------------------------------------------------------------------------------------
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first.
+
+    An interrupted gather closes its connections; without this the engine would go on decoding
+    every orphaned request to `max_tokens` (or hold it at the gate through a train step), delaying
+    whatever the user runs next.
+    """
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():  # the client left, or this handler itself is being cancelled
+            task.cancel()
+    if task.cancelled():
+        raise _APIError(499, "the client closed the connection", code="client_closed_request")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _BearerAuth:
     """Require `Authorization: Bearer <key>` on every HTTP request (compared in constant time)."""
 
@@ -453,22 +485,24 @@ def create_app(registry: ModelRegistry, gate: InferenceGate, api_key: str | None
         except ValidationError as exc:
             raise _validation_error(exc) from exc
 
-        # Resolve inside the gate: a request that waited out a train step gets the new weights.
-        async with gate.serving():
-            try:
-                served = registry.resolve(req.model)
-                if inspect.isawaitable(served):
-                    served = await served
-            except KeyError:
-                raise _APIError(
-                    404, f"model {req.model!r} is not served here; see GET /v1/models",
-                    param="model", code="model_not_found",
-                ) from None
-            tokenizer = served.engine.tokenizer
-            prompt_ids = _render_prompt(tokenizer, req)
-            params = _sampling_params(req, len(prompt_ids), served.engine.max_context)
-            samples = await _generate(served, prompt_ids, params)
+        async def serve() -> tuple[ServedModel, list[int], list[Sample]]:
+            # Resolve inside the gate: a request that waited out a train step gets the new weights.
+            async with gate.serving():
+                try:
+                    served = registry.resolve(req.model)
+                    if inspect.isawaitable(served):
+                        served = await served
+                except KeyError:
+                    raise _APIError(
+                        404, f"model {req.model!r} is not served here; see GET /v1/models",
+                        param="model", code="model_not_found",
+                    ) from None
+                prompt_ids = _render_prompt(served.engine.tokenizer, req)
+                params = _sampling_params(req, len(prompt_ids), served.engine.max_context)
+                return served, prompt_ids, await _generate(served, prompt_ids, params)
 
+        served, prompt_ids, samples = await _unless_disconnected(request, serve())
+        tokenizer = served.engine.tokenizer
         choices = [_choice(i, sample, req, tokenizer) for i, sample in enumerate(samples)]
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return JSONResponse({
@@ -554,7 +588,10 @@ async def start_server(
     port = sock.getsockname()[1]
     # log_config=None: do not reconfigure the user's logging; lifespan off: the app has none.
     config = uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        # Rollout clients sit idle on pooled connections while a step trains; uvicorn's default 5 s
+        # keep-alive closed them under the clients, whose next request then failed (seen on the H200).
+        timeout_keep_alive=3600,
     )
     server = _QuietServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))

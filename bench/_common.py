@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -306,3 +306,68 @@ def random_model_dir(shape: dict[str, Any], name: str, cache: Path | None = None
         torch.cuda.empty_cache()
     tmp.rename(folder)
     return folder
+
+
+# ---- prompts and parts -------------------------------------------------------------------------------
+
+
+def rollout_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """`n` tic-tac-toe first turns on different random boards: what a rollout batch sends (same system
+    prompt, different boards), so prefix caching helps as much as it would in training."""
+    import random
+
+    from art_nb.envs import tic_tac_toe as ttt
+
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        board = ttt.empty_board()
+        for mark in "OXO"[: rng.randint(0, 3)]:
+            board = ttt.place(board, rng.choice(ttt.legal_moves(board)), mark)
+        prompts.append([{"role": "system", "content": ttt.SYSTEM_PROMPT},
+                        {"role": "user", "content": ttt.user_message(board)}])
+    return prompts
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids art_nb's endpoint renders for `messages` (template text, no extra special tokens)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def run_part(script: Path, part: str, argv: list[str], out_dir: Path, timeout_s: float,
+             env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one part of a GPU benchmark in its own process (all of its GPU memory goes back when it exits;
+    a crash there costs that part only) and return what it wrote to OUT/_parts/PART.json."""
+    path = out_dir / "_parts" / f"{part}.json"
+    path.unlink(missing_ok=True)
+    command = [sys.executable, str(script), "--part", part, *argv]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+                              env={**os.environ, **(env or {})})
+        code, tail = done.returncode, (done.stdout + done.stderr)[-6000:]
+    except subprocess.TimeoutExpired as exc:
+        code, tail = "timeout", f"part timed out after {timeout_s} s: " + _text(exc.stdout)[-3000:] + _text(exc.stderr)[-3000:]
+    (out_dir / "_parts" / f"{part}.log").write_text(tail)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    if code != 0 and "error" not in data:
+        data["error"] = f"the {part} process ended with {code}"
+    if code != 0 or "error" in data:
+        data.setdefault("log_tail", tail[-3000:])
+    return data
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def part_writer(out_dir: Path, part: str) -> Callable[[dict[str, Any]], None]:
+    """Inside a part's process: a function that (re)writes its JSON, so a crash keeps what was measured."""
+    path = out_dir / "_parts" / f"{part}.json"
+
+    def write(data: dict[str, Any]) -> None:
+        write_json(path, data)
+
+    return write

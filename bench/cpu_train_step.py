@@ -418,7 +418,8 @@ def art_microbatches(batch: dict[str, Any]) -> dict[str, Any]:
 
     items = [TokenizedTrajectory(i["input_ids"], [bool(m) for m in i["mask"]], [0.0] * len(i["mask"]))
              for i in batch["items"]]
-    groups = microbatches(items, TrainConfig().microbatch_tokens)
+    # PeftTrainer's own choice when TrainConfig leaves it open (1024 padded tokens on CPU).
+    groups = microbatches(items, TrainConfig().microbatch_tokens or 1024)
     return {"count": len(groups), "sizes": [len(g) for g in groups],
             "padded_tokens": sum(len(g) * len(g[0].input_ids) for g in groups)}
 

@@ -237,7 +237,7 @@ class HFEngine:
             self._dead = "the engine was closed"
         self._scheduler.cancel()
         await asyncio.gather(self._scheduler, return_exceptions=True)
-        self._fail_all(EngineDeadError(self._dead))
+        self._fail_all(self._dead_error())
         self._drained.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._model = None  # the weights go once an in-flight forward returns, even if this object lingers
@@ -263,7 +263,7 @@ class HFEngine:
                 finished = await self._in_worker(self._advance, admit)
             except EngineDeadError:  # the worker stalled: every request has been failed already
                 for row in admit:
-                    _settle(row.job, exc=EngineDeadError(f"{self._dead}; re-register the model to start a new engine"))
+                    _settle(row.job, exc=self._dead_error())
                 return
             except Exception as exc:  # a failed forward fails its rows, not the engine
                 logger.exception("HF engine: batch failed")
@@ -343,7 +343,7 @@ class HFEngine:
             return
         self._dead = f"the scheduler crashed: {task.exception()!r}"
         logger.error("HF engine: %s", self._dead)
-        self._fail_all(EngineDeadError(self._dead))
+        self._fail_all(self._dead_error())
 
     def _fail_all(self, exc: EngineError) -> None:
         for row in [*self._pending, *self._batch.rows]:
@@ -353,7 +353,10 @@ class HFEngine:
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError(f"{self._dead}; re-register the model to start a new engine")
+            raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"{self._dead}; re-register the model to start a new engine")
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -362,14 +365,14 @@ class HFEngine:
         except TimeoutError:
             name = getattr(fn, "__name__", "model work").lstrip("_")
             self._stalled(f"the engine stopped answering: {name} ran for more than {self.stall_timeout:g} s")
-            raise EngineDeadError(f"{self._dead}; re-register the model to start a new engine") from None
+            raise self._dead_error() from None
 
     def _stalled(self, reason: str) -> None:
         """The model thread is stuck: fail everything now; the thread cannot be stopped, only abandoned."""
         if self._dead is None:
             self._dead = reason
         logger.error("HF engine: %s", self._dead)
-        self._fail_all(EngineDeadError(f"{self._dead}; re-register the model to start a new engine"))
+        self._fail_all(self._dead_error())
         self._drained.set()
         self._wakeup.set()
 

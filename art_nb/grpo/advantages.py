@@ -6,7 +6,10 @@ population std (divide by n), so a group's advantages always have unit RMS whate
 a group of two with rewards 0 and 1 gets -1 and +1.
 
 A group whose rewards are all equal (a group of one included) carries no signal, all its
-advantages are zero, so it is skipped before anything is tokenised, and counted.
+advantages are zero, so it is skipped before anything is tokenised, and counted. So is a group with
+no trajectories at all (every rollout of it failed), a trajectory with nothing to train on (no
+Choice, or cut off before it by `max_seq_len`), a truncated sequence, and each Choice that had to
+be re-tokenised because the endpoint sent no token ids.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ class PreparedBatch:
     items: list[TokenizedTrajectory] = field(default_factory=list)
     groups: int = 0  # groups that contributed at least one item
     zero_variance_groups: int = 0
+    empty_groups: int = 0  # no trajectories: every rollout of the group failed
     truncated: int = 0
     skipped_trajectories: int = 0  # in groups with signal, but no trainable tokens
+    retokenized_choices: int = 0  # Choices without `token_ids`, trained on their re-tokenised text
+    template_fallbacks: int = 0  # turns realigned because the chat template rewrote history
     reward_mean: float = 0.0
     reward_std: float = 0.0
 
@@ -49,8 +55,11 @@ class PreparedBatch:
         return {
             "groups": float(self.groups),
             "zero_variance_groups": float(self.zero_variance_groups),
+            "empty_groups": float(self.empty_groups),
             "truncated": float(self.truncated),
             "skipped_trajectories": float(self.skipped_trajectories),
+            "retokenized_choices": float(self.retokenized_choices),
+            "template_fallbacks": float(self.template_fallbacks),
             "reward": self.reward_mean,
             "reward_std": self.reward_std,
         }
@@ -70,6 +79,7 @@ def prepare_batch(
         batch.reward_std = math.sqrt(sum((r - batch.reward_mean) ** 2 for r in rewards) / len(rewards))
     for index, group in enumerate(groups):
         if not group.trajectories:
+            batch.empty_groups += 1
             continue
         if len(set(group.rewards())) == 1:
             batch.zero_variance_groups += 1
@@ -87,6 +97,8 @@ def prepare_batch(
                     f"{type(error).__name__}: {error}"
                 ) from error
             batch.truncated += item.truncated
+            batch.retokenized_choices += item.retokenized_choices
+            batch.template_fallbacks += item.template_fallbacks
             if item.trainable_tokens == 0:
                 batch.skipped_trajectories += 1
                 continue

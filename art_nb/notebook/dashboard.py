@@ -93,6 +93,7 @@ class Dashboard:
         self._handles: list[Any] = []
         self._last_progress = 0.0
         self._closed = False
+        self._setting_picker = False  # options/value set by the dashboard, not picked by the user
         self._owner_thread = threading.get_ident()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -170,10 +171,12 @@ class Dashboard:
             self._render_text()
             if change in ("train", "eval", "final"):
                 self._update_static()
-        except Exception:  # noqa: BLE001 - a broken view must not stop training
+        except Exception:
             logging.getLogger("art_nb.notebook").debug("dashboard update failed", exc_info=True)
 
     def _on_metric(self, change: dict[str, Any]) -> None:
+        if self._setting_picker:
+            return
         if change["new"] and change["new"] != self._metric:
             self._metric = change["new"]
             self._apply("metric")
@@ -188,10 +191,14 @@ class Dashboard:
         if self._metric is None and names:
             self._metric = _default_metric(names)
         options = names if self._metric is None or self._metric in names else [self._metric, *names]
-        if list(self._metric_picker.options) != options:
-            self._metric_picker.options = options
-        if self._metric is not None and self._metric_picker.value != self._metric:
-            self._metric_picker.value = self._metric
+        self._setting_picker = True
+        try:  # setting options may reset the value (ipywidgets 7 and 8 differ): put the pick back
+            if list(self._metric_picker.options) != options:
+                self._metric_picker.options = options
+            if self._metric is not None and self._metric_picker.value != self._metric:
+                self._metric_picker.value = self._metric
+        finally:
+            self._setting_picker = False
         self._png = figure_png(dashboard_figure(snap, self._metric, f"{self.title}: reward per step"))
         self._plot.value = self._png
         rows = snap.reward_rows()
@@ -280,7 +287,7 @@ class Dashboard:
 
     def summary(self, out_dir: str | Path | None = None) -> TrainingSummary:
         """The static summary (Markdown table + PNG); with `out_dir`, also written there as files."""
-        result = summarize(self.state, f"{self.title}: reward per step")
+        result = summarize(self.state, f"{self.title}: reward per step", self._metric)
         if out_dir is not None:
             result.save(out_dir)
         return result

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..export import ExportResult
 from .hardware import in_colab
 
-__all__ = ["show_export", "ExportView"]
+__all__ = ["ExportView", "show_export"]
 
 
 @dataclass(frozen=True)

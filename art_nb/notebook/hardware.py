@@ -28,9 +28,9 @@ from ..models import TINY_MODEL
 from ..versions import gpu_path_for, installed_version
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig, TrainConfig
+    from ..config import ModelConfig
 
-__all__ = ["Hardware", "NotebookDefaults", "detect_hardware", "pick_defaults", "in_colab"]
+__all__ = ["Hardware", "NotebookDefaults", "detect_hardware", "in_colab", "pick_defaults"]
 
 TASKS = ("tic_tac_toe", "2048", "custom")
 
@@ -125,7 +125,6 @@ class NotebookDefaults:
     learning_rate: float
     eval_games: int
     max_turns: int | None = None  # games with a turn limit (2048); None where the game ends by itself
-    microbatch_tokens: int = 4096
     reasons: dict[str, str] = field(default_factory=dict)
 
     def model_config(self, **overrides: Any) -> ModelConfig:
@@ -139,18 +138,12 @@ class NotebookDefaults:
         values.update(overrides)
         return ModelConfig(**values)
 
-    def train_config(self, **overrides: Any) -> TrainConfig:
-        """The `TrainConfig` for a step (`microbatch_tokens` from these defaults); keywords override."""
-        from ..config import TrainConfig
-
-        return TrainConfig(**{"microbatch_tokens": self.microbatch_tokens, **overrides})
-
     def report(self, **chosen: Any) -> ChoicesReport:
         """A table of the values in use (pass the parameters cell's values by name) with the reason
         for each: the hardware's when it is the default, "set in the parameters cell" otherwise."""
         rows = []
         for name in ("base_model", "steps", "groups_per_step", "rollouts_per_group", "learning_rate", "max_seq_len",
-                     "eval_games", "max_turns", "microbatch_tokens", "dtype", "engine", "trainer"):
+                     "eval_games", "max_turns", "dtype", "engine", "trainer"):
             default = getattr(self, name)
             if default is None:
                 continue
@@ -216,9 +209,7 @@ def _cpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
         hardware=hw, task=task, base_model=TINY_MODEL, dtype="float32", engine="hf", trainer="peft",
         load_in_4bit=False, lora_rank=16, max_seq_len=seq, steps=steps, groups_per_step=groups,
         rollouts_per_group=rollouts, learning_rate=2e-4, eval_games=32, max_turns=10 if task == "2048" else None,
-        microbatch_tokens=1024,
         reasons={
-            "microbatch_tokens": "1024 tokens per forward/backward: bounds training memory to a few GB on a laptop",
             "max_turns": "10 moves per game: long conversations are the slow part on a CPU",
             "base_model": "no GPU: the 135M model runs on a CPU and has an offline copy (no download needed)",
             "dtype": "float32: CPUs have slow or emulated 16-bit matmuls",
@@ -259,7 +250,6 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
         groups_per_step=groups, rollouts_per_group=rollouts, learning_rate=lr, eval_games=64,
         max_turns=40 if task == "2048" else None,
         reasons={
-            "microbatch_tokens": "4096 tokens per forward/backward: the TrainConfig default, fine on a GPU",
             "max_turns": "40 moves per game: reaching the 64 tile takes about 27",
             "base_model": model_why,
             "dtype": f"bfloat16: {hw.sm} supports it" if bf16 else f"float16: {hw.gpu_name} ({hw.sm}) has no bf16",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["reward_series", "plot_reward_curve", "draw_reward"]
+__all__ = ["draw_reward", "plot_reward_curve", "reward_series"]
 
 
 def reward_series(history: Sequence[dict[str, Any]], split: str = "train") -> dict[str, list[float]]:

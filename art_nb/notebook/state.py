@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RunState", "StepRecord", "TIMING_PARTS", "TRAINER_PREFIX"]
+__all__ = ["TIMING_PARTS", "TRAINER_PREFIX", "RunState", "StepRecord"]
 
 TRAINER_PREFIX = "trainer/"
 """Trainer metrics are shown as `trainer/loss` etc., so they never collide with a rollout metric
@@ -108,7 +108,8 @@ class RunState:
     # ---- input -------------------------------------------------------------------------------
 
     def handle(self, event: Mapping[str, Any]) -> str | None:
-        """Apply one event; return what changed ("progress", "rollouts", "eval", "train") or None."""
+        """Apply one event; return what changed or None: "progress" (a rollout finished), "rollouts"
+        (a step's rewards), "training" (an update started), "train" (it finished), "eval"."""
         kind = event.get("type")
         if self.model_name is not None and event.get("model", self.model_name) != self.model_name:
             return None
@@ -123,13 +124,14 @@ class RunState:
                 if event.get("groups") is not None:
                     record.groups_total = int(event["groups"])
                 self.training_step = record.step
-                return "train"
+                return "training"
             if kind == "train_finished":
                 return self._on_train_finished(event)
         return None
 
     def _on_log(self, event: Mapping[str, Any]) -> str:
         step, metrics = int(event["step"]), dict(event.get("metrics") or {})
+        self.progress = None  # the gather that produced these rollouts is over
         if event.get("split", "train") != "train":
             self.evals[step] = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None}
             return "eval"
@@ -138,7 +140,6 @@ class RunState:
         now = _number(event.get("time")) or time.time()
         if record.rollout_seconds is None:
             record.rollout_seconds = max(0.0, now - self._last_boundary)
-        self.progress = None
         return "rollouts"
 
     def _on_train_finished(self, event: Mapping[str, Any]) -> str:

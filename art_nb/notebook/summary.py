@@ -51,8 +51,8 @@ class TrainingSummary:
         return paths
 
     def markdown(self) -> str:
-        lines = [f"**Training summary{f' — {self.model_name}' if self.model_name else ''}**: "
-                 f"{len(self.steps)} steps, now serving step {self.served_step}", "",
+        lines = [(f"**Training summary{f' — {self.model_name}' if self.model_name else ''}**: "
+                  f"{len(self.steps)} steps, now serving step {self.served_step}"), "",
                  "| step | reward (mean) | min | max | zero-variance groups | exceptions | seconds |",
                  "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in self.steps:
@@ -75,8 +75,10 @@ class TrainingSummary:
         return self.text
 
 
-def summarize(state: RunState, title: str | None = None) -> TrainingSummary:
-    """A `TrainingSummary` of `state` (reads a snapshot, so it is safe while events still arrive)."""
+def summarize(state: RunState, title: str | None = None, metric: str | None = None) -> TrainingSummary:
+    """A `TrainingSummary` of `state` (reads a snapshot, so it is safe while events still arrive).
+
+    `metric` is drawn next to the reward (default: the trainer's loss)."""
     from .figures import dashboard_figure, figure_png
 
     snap = state.snapshot()
@@ -96,7 +98,8 @@ def summarize(state: RunState, title: str | None = None) -> TrainingSummary:
             "train_metrics": {k: v for k, v in record.train_metrics.items() if not k.startswith("time/")},
             "seconds": record.timings(),
         })
-    metric = next((m for m in snap.metric_names() if m == "trainer/loss"), None)
+    if metric is None:
+        metric = next((m for m in snap.metric_names() if m == "trainer/loss"), None)
     png = figure_png(dashboard_figure(snap, metric, title))
     return TrainingSummary(snap.model_name, steps, dict(snap.evals), snap.served_step, snap.latest_checkpoint,
                            snap.text(), png)

@@ -101,8 +101,8 @@ def conversation_html(record: dict[str, Any]) -> str:
 
     Everything from the trajectory is escaped: model output is untrusted text.
     """
-    parts = [f'<div class="art-nb-trajectory"><div style="font-weight:600;margin:4px 0">'
-             f"{html.escape(_headline(record))}</div>"]
+    parts = [(f'<div class="art-nb-trajectory"><div style="font-weight:600;margin:4px 0">'
+              f"{html.escape(_headline(record))}</div>")]
     for message in record.get("messages") or []:
         role = str(message.get("role", "?"))
         color = _ROLE_COLORS.get(role, "#374151")
@@ -162,7 +162,9 @@ class TrajectoryViewer:
         self.file_picker = widgets.Dropdown(options=[], description="rollouts", layout=widgets.Layout(width="230px"))
         self.item_picker = widgets.Dropdown(options=[], description="trajectory",
                                             layout=widgets.Layout(width="420px"))
-        self.body = widgets.HTML(value=self._empty_message())
+        # Conversations can be long: scroll inside the viewer instead of stretching the dashboard.
+        self.body = widgets.HTML(value=self._empty_message(),
+                                 layout=widgets.Layout(max_height="380px", overflow="auto"))
         self.body.add_class("art-nb-trajectory-view")
         self.file_picker.observe(self._on_file, names="value")
         self.item_picker.observe(self._on_item, names="value")

@@ -99,8 +99,11 @@ class PeftTrainer:
         metrics: dict[str, float] = {
             "groups": float(batch.groups),
             "zero_variance_groups": float(batch.zero_variance_groups),
+            "empty_groups": float(batch.empty_groups),
             "truncated": float(batch.truncated),
             "skipped_trajectories": float(batch.skipped_trajectories),
+            "retokenized_choices": float(batch.retokenized_choices),
+            "template_fallbacks": float(batch.template_fallbacks),
             "reward_mean": batch.reward_mean,
             "reward_std": batch.reward_std,
         }

@@ -38,6 +38,7 @@ async def expect_503(model: art.TrainableModel, *needles: str, within: float) ->
         await rollout(model, 1)
     assert time.monotonic() - started < within
     assert caught.value.status_code == 503
+    assert caught.value.response.headers.get("x-should-retry") == "false"  # the client does not retry a dead engine
     for needle in needles:
         assert needle in str(caught.value), str(caught.value)
 

@@ -82,23 +82,32 @@ def gather_exceptions_seen() -> tuple[list[int], Callable[[], None]]:
 async def test_cancelled_gather_is_not_a_failure_and_the_engine_keeps_serving(served) -> None:
     backend, model, state = served
     gate = backend._runtime.gate
+    engine = state.engine
     counts, unsubscribe = gather_exceptions_seen()
     try:
         task = asyncio.ensure_future(art.gather_trajectory_groups(
-            [art.TrajectoryGroup(rollout(model, i, max_tokens=60, turns=3) for i in range(8))],
+            [art.TrajectoryGroup(rollout(model, i, max_tokens=200) for i in range(8))],
             pbar_desc=None, max_exceptions=1000))
-        await wait_until(lambda: gate.in_flight > 0)
+        await wait_until(lambda: gate.in_flight == 8 and engine.stats.tokens > 0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        at_cancel = engine.stats.tokens
     finally:
         unsubscribe()
     assert all(c == 0 for c in counts), f"interrupted rollouts were counted as failures: {counts}"
+    # The server notices the closed connections and the engine drops the orphaned rows, rather
+    # than decoding 8 x 200 tokens for nobody.
+    await wait_until(lambda: gate.in_flight == 0 and not engine._batch.rows, timeout=5)
+    assert engine.stats.tokens - at_cancel < 8 * 50
     after = await asyncio.wait_for(rollout(model, 999), 60)  # the next cell works
     assert after.choices()[0].model_extra["token_ids"]
-    await wait_until(lambda: gate.in_flight == 0 and not gate.paused)
 
 
+# A KeyboardInterrupt raised inside a task stops asyncio.run's loop twice (once in the task, once
+# in the task awaiting it), so asyncio cannot finish cancelling; the unfinished coroutines complain
+# when collected. That is asyncio's behaviour, not the gather's.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_keyboard_interrupt_in_a_rollout_propagates_and_is_not_counted() -> None:
     """A Ctrl-C raised inside a rollout ends the gather as a KeyboardInterrupt, not a counted failure."""
     started: list[int] = []
@@ -232,7 +241,7 @@ def test_sigint_into_asyncio_run_cells(zygote: Zygote, tiny_model_dir: Path, tmp
         wait_for_event(run_dir, "holding", point=point)
         os.kill(pid, signal.SIGINT)
     assert zygote.wait(pid) == 0, zygote.log()
-    cells = {e["name"]: e for e in read_events(run_dir) if e["event"] == "cell"}
+    cells = {e["cell"]: e for e in read_events(run_dir) if e["event"] == "cell"}
 
     def check(name: str, outcome: str, step: int) -> dict[str, Any]:
         cell = cells[name]

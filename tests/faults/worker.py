@@ -383,7 +383,7 @@ def sigint_run(run_dir: Path, model_dir: Path) -> None:
             outcome = "KeyboardInterrupt"
         except BaseException as exc:  # noqa: BLE001 - recorded for the test to judge
             outcome, detail = type(exc).__name__, str(exc)[:500]
-        event("cell", name=name, outcome=outcome, detail=detail, step=state.step, steps_on_disk=state.store.steps(),
+        event("cell", cell=name, outcome=outcome, detail=detail, step=state.step, steps_on_disk=state.store.steps(),
               trainer_matches_checkpoint=trainer_matches(state), gate_paused=backend._runtime.gate.paused)
 
     async def gather(step: int, **kwargs: Any) -> list[Any]:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from nbrun import find_cell, output_text, outputs
 
 pytestmark = pytest.mark.slow

@@ -128,7 +128,7 @@ def test_dashboard_renders_and_its_reward_plot_updates_while_training(jupyterlab
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": 1300})
         try:
             page.goto(f"{url}/lab/tree/ui.ipynb?token={token}", wait_until="domcontentloaded", timeout=120_000)
             page.wait_for_function(
@@ -137,9 +137,12 @@ def test_dashboard_renders_and_its_reward_plot_updates_while_training(jupyterlab
                 " && jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
                 timeout=180_000,
             )
-            page.evaluate("() => jupyterapp.commands.execute('notebook:run-all-cells')")
+            # Not awaited: the command's promise settles only when every cell has run.
+            page.evaluate("() => { jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
             images: dict[int, set[str]] = {}  # reward-plot images seen, by the number of steps they draw
+            timeline: list[dict] = []
+            started = time.monotonic()
             deadline = time.monotonic() + RUN_TIMEOUT_S
             while time.monotonic() < deadline:
                 state = page.evaluate(
@@ -148,6 +151,7 @@ def test_dashboard_renders_and_its_reward_plot_updates_while_training(jupyterlab
                         const caption = document.querySelector('.art-nb-plot-steps');
                         const text = document.body.innerText;
                         return {
+                            plots: document.querySelectorAll('img.art-nb-reward-plot').length,
                             src: img && img.naturalWidth > 0 ? img.src : null,
                             steps: caption ? Number(caption.dataset.steps) : null,
                             done: text.includes('Exported step'),
@@ -157,10 +161,13 @@ def test_dashboard_renders_and_its_reward_plot_updates_while_training(jupyterlab
                 )
                 if state["src"] and state["steps"] is not None:
                     images.setdefault(state["steps"], set()).add(state["src"])
+                if not timeline or {**timeline[-1], "t": 0} != {**state, "t": 0}:
+                    timeline.append({**state, "t": round(time.monotonic() - started, 1)})
                 if state["done"] or state["failed"]:
                     break
                 time.sleep(1.0)
 
+            (ARTIFACTS / "timeline.json").write_text(json.dumps(timeline, indent=1))
             dashboard = page.locator(".art-nb-dashboard").first
             dashboard.scroll_into_view_if_needed()
             dashboard.screenshot(path=str(ARTIFACTS / "dashboard.png"))

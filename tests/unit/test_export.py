@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from art_nb.export import ExportResult, export_adapter, find_hub_token  # noqa: E402
+from art_nb.export import ExportResult, export_adapter, find_hub_token
 
 SECRET = "hf_do_not_print_me_0123456789"
 
