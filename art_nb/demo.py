@@ -26,11 +26,11 @@ class DemoConfig:
     name: str = "tic-tac-toe-demo"
     project: str = "demo"
     path: str = ".art"
-    steps: int = 8
+    steps: int = 6
     groups_per_step: int = 4
-    rollouts_per_group: int = 8
+    rollouts_per_group: int = 6
     learning_rate: float = 2e-4
-    eval_games: int = 64
+    eval_games: int = 32
     eval_seed: int = 10_000
     seed: int = 0
     lora_rank: int = 16
