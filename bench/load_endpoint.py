@@ -241,7 +241,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         report = asyncio.run(run_load(config, Path(scratch)))
     report = {
-        "command": "python bench/load_endpoint.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python bench/load_endpoint.py", *sys.argv[1:]]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "load_average_1m_at_end": round(os.getloadavg()[0], 2), "torch_threads": torch.get_num_threads()},

@@ -16,6 +16,7 @@ non-finite weights or optimizer state.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import pickle
 import random
@@ -53,30 +54,35 @@ class PeftTrainer:
     name = "peft"
 
     def __init__(self, model_path: Path, config: ModelConfig, device: str | None = None) -> None:
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.config = config
         dtype, reason = pick_dtype(config, self.device)
-        _log.info("trainer: peft on %s, %s", self.device, reason)
+        _log.info("trainer: %s on %s, %s%s", self.name, self.device, reason,
+                  ", 4-bit base" if config.load_in_4bit else "")
         self.dtype_reason = reason
         torch.manual_seed(config.seed)
+        # The tokenizer the server and the engine use: tokens trained must be tokens served.
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
-        base.config.use_cache = False
-        lora = LoraConfig(
-            r=config.lora.rank,
-            lora_alpha=config.lora.alpha,
-            lora_dropout=config.lora.dropout,
-            target_modules=list(config.lora.target_modules),
-            task_type="CAUSAL_LM",
-        )
-        self.model = get_peft_model(base, lora)
+        self.model = self._build_model(Path(model_path), dtype)
         self.model.train()
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_key: tuple[float, float, tuple[float, float]] | None = None
         self._pending_optimizer_state: dict[str, Any] | None = None
+
+    def _build_model(self, model_path: Path, dtype: torch.dtype) -> Any:
+        """The base model wrapped with a fresh LoRA; subclasses (Unsloth) build it their way."""
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        base.config.use_cache = False
+        lora = self.config.lora
+        return get_peft_model(base, LoraConfig(
+            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+        ))
 
     def _optimizer_for(self, config: TrainConfig) -> torch.optim.Optimizer:
         """AdamW over the LoRA parameters; its moments survive steps and checkpoints."""
@@ -95,6 +101,16 @@ class PeftTrainer:
         return self._optimizer
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any = None) -> dict[str, float]:
+        try:
+            return self._train_step(groups, config, should_stop)
+        finally:
+            if self.device != "cpu":
+                # Hand the step's activation memory back to the driver: vLLM re-allocates its KV cache
+                # outside PyTorch's caching allocator when it wakes, and would not see cached blocks as free.
+                gc.collect()
+                torch.cuda.empty_cache()
+
+    def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any) -> dict[str, float]:
         batch = prepare_batch(groups, self.tokenizer, config, self.config.max_seq_len)
         metrics: dict[str, float] = {
             "groups": float(batch.groups),

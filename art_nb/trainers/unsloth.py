@@ -12,7 +12,6 @@ asks `unsloth_unavailable_reason()` first and falls back to peft with that reaso
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import logging
 from pathlib import Path
@@ -20,9 +19,8 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig, TrainConfig
-from ..trajectory import TrajectoryGroup
-from .peft import PeftTrainer, pick_dtype
+from ..config import ModelConfig
+from .peft import PeftTrainer
 
 __all__ = ["UnslothTrainer", "unsloth_unavailable_reason"]
 
@@ -55,23 +53,7 @@ class UnslothTrainer(PeftTrainer):
         reason = unsloth_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the Unsloth trainer cannot run: {reason}; use ModelConfig(trainer='peft')")
-        from transformers import AutoTokenizer
-
-        # The same state PeftTrainer.__init__ sets up; only the model is built differently.
-        self.device = device or "cuda"
-        self.config = config
-        dtype, self.dtype_reason = pick_dtype(config, self.device)
-        _log.info("trainer: unsloth on %s, %s%s", self.device, self.dtype_reason,
-                  ", 4-bit base" if config.load_in_4bit else "")
-        torch.manual_seed(config.seed)
-        # The tokenizer the server and the engine use: tokens trained must be tokens served.
-        # (Unsloth returns its own, possibly "fixed" one; we do not use it.)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = self._build_model(Path(model_path), dtype)
-        self.model.train()
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._optimizer_key: tuple[float, float, tuple[float, float]] | None = None
-        self._pending_optimizer_state: dict[str, Any] | None = None
+        super().__init__(model_path, config, device or "cuda")
 
     def _build_model(self, model_path: Path, dtype: torch.dtype) -> Any:
         from unsloth import FastLanguageModel
@@ -96,13 +78,3 @@ class UnslothTrainer(PeftTrainer):
             random_state=self.config.seed,
         )
 
-    def train_step(
-        self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any = None
-    ) -> dict[str, float]:
-        try:
-            return super().train_step(groups, config, should_stop)
-        finally:
-            # Hand the step's activation memory back to the driver: vLLM re-allocates its KV cache
-            # outside PyTorch's caching allocator when it wakes, and would not see cached blocks as free.
-            gc.collect()
-            torch.cuda.empty_cache()

@@ -1,0 +1,229 @@
+"""Does the 2048 notebook's GPU configuration fit a 15 GB GPU (a Colab T4)? Measured on a bigger GPU, capped.
+
+The configuration (art_nb/notebook/hardware.py, task "2048" on a GPU): 8 groups x 8 rollouts per step,
+max_seq_len 4096, LoRA rank 16 (alpha 32), here with the issue's Qwen2.5-3B-shaped model (RANDOM
+WEIGHTS, SmolLM2 tokenizer: no hub on the GPU machine) and the trainer in 4-bit (Unsloth, NF4); vLLM
+serves the bf16 weights and sleeps during the step, as on any GPU art_nb runs vLLM on.
+
+The cap, in this one process: `torch.cuda.set_per_process_memory_fraction(cap / total)` before any
+allocation (bounds PyTorch's allocator: the trainer, and vLLM's activations), and vLLM's
+`gpu_memory_utilization` set to the share art_nb's memory plan would pick on a GPU of `cap` bytes,
+rescaled to this GPU's total (vLLM's weights and KV cache live outside PyTorch's allocator). What
+is reported: device-wide used memory (total - free, what nvidia-smi shows), polled every 50 ms
+through registration, rollouts and one full train step (sleep, train, save, wake, LoRA load), and
+`torch.cuda.max_memory_reserved`. It fits when the polled peak stays under the cap.
+
+Rollouts are synthetic 2048 games through the OpenAI endpoint: the notebook's prompts and boards,
+turns of fixed length (`ignore_eos`), continued until the conversation nears max_seq_len, so the
+step trains on full-length sequences (the worst case for memory). On a real T4 (sm75) art_nb serves
+with the transformers engine, not vLLM (no vLLM attention backend for Turing after 0.11.2), and the
+notebook picks a 0.5B model there; this measures the vLLM + Unsloth path at 3B under a T4's cap.
+
+On the GPU machine, from the repository root, after `source .gpu/bin/env.sh`:
+
+    python bench/gpu_memory_fit.py --out $OUT/bench            # ~5 min on an H200
+    .venv-vllm/bin/python bench/gpu_memory_fit.py --quick --out /tmp/fit   # CPU dry run (no cap there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    GiB, QWEN25_3B, QWEN_TINY, GpuUsedPeak, Results, default_out_dir, gpu_memory, random_model_dir,
+)
+
+LORA_RANK, LORA_ALPHA = 16, 32.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from art_nb.notebook.hardware import Hardware, pick_defaults
+
+    # The notebook's own GPU defaults (an sm80+ GPU with vLLM and Unsloth installed).
+    defaults = pick_defaults(Hardware(gpu_name="GPU", gpu_capability=(9, 0), gpu_memory_gib=80.0,
+                                      vllm_version="0.25.0", unsloth_installed=True), task="2048")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for gpu_memory_fit.json (default $OUT)")
+    parser.add_argument("--quick", action="store_true", help="CPU dry run: toy model, peft, no cap")
+    parser.add_argument("--model", type=Path, default=None, help="a transformers folder instead of the random 3B")
+    parser.add_argument("--cap-gib", type=float, default=15.0, help="the memory cap (a T4: 15 GiB usable)")
+    parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
+    parser.add_argument("--groups", type=int, default=defaults.groups_per_step)
+    parser.add_argument("--group-size", type=int, default=defaults.rollouts_per_group)
+    parser.add_argument("--turn-tokens", type=int, default=64, help="tokens per model turn (fixed)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (more memory)")
+    args = parser.parse_args(argv)
+    args.out = args.out or default_out_dir()
+    args.notebook_defaults = {"max_seq_len": defaults.max_seq_len, "groups_per_step": defaults.groups_per_step,
+                              "rollouts_per_group": defaults.rollouts_per_group, "lora_rank": defaults.lora_rank}
+    if args.quick:
+        args.max_seq_len, args.groups, args.group_size, args.turn_tokens = 384, 2, 2, 16
+    return args
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cap_share(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    """Cap PyTorch at `cap` bytes and work out vLLM's share as art_nb would choose it on a `cap`-byte GPU."""
+    import torch
+
+    from art_nb.memory import count_parameters, plan_gpu_memory, read_model_shape
+
+    free, total = torch.cuda.mem_get_info()
+    cap = int(args.cap_gib * GiB)
+    torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
+    used_before = total - free
+    plan = plan_gpu_memory(
+        cap - used_before, cap, count_parameters(model_dir), 2, LORA_RANK, args.max_seq_len,
+        64 * args.max_seq_len, True, shape=read_model_shape(model_dir), cuda_graphs=args.cuda_graphs,
+    )
+    share = round(plan.gpu_memory_utilization * cap / total, 4)
+    return {"cap_gib": args.cap_gib, "device_total_gib": round(total / GiB, 1),
+            "used_before_gib": round(used_before / GiB, 2), "torch_fraction": round(cap / total, 4),
+            "plan_share_of_cap": plan.gpu_memory_utilization, "vllm_share_of_device": share,
+            "plan_fits": plan.fits, "plan_reasons": plan.reasons, "plan_warnings": plan.warnings,
+            "plan_trainer_peak_gib": round(plan.trainer_peak_bytes / GiB, 2)}
+
+
+async def rollout_2048(model: Any, seed: int, max_seq_len: int, turn_tokens: int) -> Any:
+    """A 2048 conversation of fixed-length turns that stops when the next turn would not fit."""
+    import art_nb as art
+    from art_nb.envs import game_2048 as g
+
+    rng = random.Random(seed)
+    client = model.openai_client()
+    items: list[Any] = [{"role": "system", "content": g.SYSTEM_PROMPT}, *g.EXAMPLE_TURN]
+    used = 0
+    while True:
+        items.append({"role": "user", "content": g.user_message(g.new_board(rng))})
+        messages = art.Trajectory(messages_and_choices=items).messages()
+        completion = await client.chat.completions.create(
+            model=model.name, messages=messages, max_tokens=turn_tokens, temperature=1.0, logprobs=True,
+            extra_body={"ignore_eos": True})
+        items.append(completion.choices[0])
+        used = len(completion.model_extra["prompt_token_ids"]) + turn_tokens
+        if used + 2 * turn_tokens + 120 > max_seq_len:  # room for one more board (~110 tokens) and reply
+            break
+    return art.Trajectory(messages_and_choices=items, reward=rng.random(), metrics={"tokens": used})
+
+
+async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> None:
+    import art_nb as art
+
+    if not args.cuda_graphs:
+        os.environ["ART_NB_VLLM_ENFORCE_EAGER"] = "1"
+    on_gpu = cuda()
+    share = None
+    if on_gpu:
+        with results.section("cap") as entry:
+            entry.update(cap_share(args, model_dir))
+            share = entry["vllm_share_of_device"]
+            entry["summary"] = f"torch capped at {args.cap_gib} GiB; vLLM share {share} of the device"
+    config = art.ModelConfig(engine="vllm", trainer="unsloth" if on_gpu else "peft", load_in_4bit=on_gpu,
+                             max_seq_len=args.max_seq_len, lora=art.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA),
+                             gpu_memory_utilization=share)
+    model = art.TrainableModel(name="fit", project="bench", base_model=str(model_dir), config=config)
+    backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
+    phases: dict[str, GpuUsedPeak] = {}
+
+    def watch(name: str) -> Any:
+        phases[name] = GpuUsedPeak() if on_gpu else None
+        return phases[name] or _Nothing()
+
+    with results.section("register") as entry:
+        started = time.perf_counter()
+        with watch("register"):
+            await model.register(backend)
+        entry.update(seconds=round(time.perf_counter() - started, 1), choices=backend.choices(model),
+                     engine_reasons=getattr(backend._runtime.models[model.name].engine, "reasons", []))
+        memory = _memory(phases["register"])
+        entry.update(memory)
+        entry["summary"] = f"registered in {entry['seconds']} s; peak used {memory.get('peak_used_gib')} GiB"
+    groups: list[Any] = []
+    with results.section("rollouts") as entry:
+        started = time.perf_counter()
+        with watch("rollouts"):
+            groups = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout_2048(model, g * 100 + i, args.max_seq_len, args.turn_tokens)
+                                     for i in range(args.group_size)) for g in range(args.groups)),
+                pbar_desc=None)
+        lengths = [t.metrics["tokens"] for group in groups for t in group.trajectories]
+        memory = _memory(phases["rollouts"])
+        entry.update(seconds=round(time.perf_counter() - started, 1), trajectories=len(lengths),
+                     tokens_per_trajectory={"min": min(lengths), "max": max(lengths),
+                                            "mean": round(sum(lengths) / len(lengths), 1)}, **memory)
+        entry["summary"] = f"{len(lengths)} rollouts of {min(lengths)}-{max(lengths)} tokens in {entry['seconds']} s; " \
+                           f"peak used {memory.get('peak_used_gib')} GiB"
+    with results.section("train_step") as entry:
+        started = time.perf_counter()
+        with watch("train"):
+            trained = await model.train(groups, config=art.TrainConfig(learning_rate=1e-5))
+        memory = _memory(phases["train"])
+        entry.update(seconds=round(time.perf_counter() - started, 1), step=trained.step,
+                     metrics={k: v for k, v in trained.metrics.items() if isinstance(v, (int, float))}, **memory)
+        entry["summary"] = f"step {trained.step} in {entry['seconds']} s; peak used {memory.get('peak_used_gib')} GiB"
+    with results.section("verdict") as entry:
+        peaks = [results.data["sections"][s].get("peak_used_gib") for s in ("register", "rollouts", "train_step")]
+        peaks = [p for p in peaks if p is not None]
+        if peaks:
+            import torch
+
+            peak = max(peaks)
+            entry.update(peak_used_gib=peak, cap_gib=args.cap_gib, fits=peak <= args.cap_gib,
+                         torch_max_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2))
+            entry["summary"] = f"peak device use {peak} GiB vs cap {args.cap_gib} GiB: " + \
+                               ("fits" if peak <= args.cap_gib else "DOES NOT FIT")
+        else:
+            entry["summary"] = "no GPU: the dry run exercised the code path only"
+    await backend.close()
+
+
+def _memory(peak: GpuUsedPeak | None) -> dict[str, Any]:
+    if peak is None:
+        return {}
+    return {"peak_used_gib": peak.peak_gib, "after": gpu_memory()}
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    results = Results(args.out / "gpu_memory_fit.json", benchmark="gpu_memory_fit",
+                      weights="random weights (Qwen2.5-3B shape, SmolLM2 tokenizer)" if not args.model else str(args.model),
+                      settings={"cap_gib": args.cap_gib, "max_seq_len": args.max_seq_len, "groups": args.groups,
+                                "group_size": args.group_size, "turn_tokens": args.turn_tokens,
+                                "lora_rank": LORA_RANK, "trainer": "unsloth, 4-bit (NF4)", "quick": args.quick,
+                                "notebook_defaults_2048_gpu": args.notebook_defaults,
+                                "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager"})
+    model_dir = args.model
+    with results.section("model") as entry:
+        mark = time.perf_counter()
+        if model_dir is None:
+            model_dir = random_model_dir(QWEN_TINY if args.quick else QWEN25_3B,
+                                         "qwen-tiny-random" if args.quick else "qwen2.5-3b-random")
+        entry.update(path=str(model_dir), summary=f"{model_dir} ready in {time.perf_counter() - mark:.0f} s")
+    if model_dir is not None:
+        asyncio.run(run(args, results, model_dir))
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: keep the entry point guarded
+    main()
