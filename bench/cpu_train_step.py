@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, Results, current_rss_mib, loadavg, peak_rss_mib, stats  # noqa: E402
+from _common import ROOT, Results, current_rss_mib, loadavg, peak_rss_mib, stats
 
 RESULTS = ROOT / "bench" / "results"
 BATCH = RESULTS / "cpu_train_step_batch.json"

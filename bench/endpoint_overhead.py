@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, Results, loadavg, peak_rss_mib, stats  # noqa: E402
+from _common import ROOT, Results, loadavg, peak_rss_mib, stats
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a robot who learns to play tic-tac-toe."}]
 

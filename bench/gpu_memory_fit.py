@@ -38,8 +38,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    GiB, QWEN25_3B, QWEN_TINY, GpuUsedPeak, Results, default_out_dir, gpu_memory, random_model_dir,
+from _common import (
+    QWEN25_3B,
+    QWEN_TINY,
+    GiB,
+    GpuUsedPeak,
+    Results,
+    default_out_dir,
+    gpu_memory,
+    random_model_dir,
+    weights_note,
 )
 
 LORA_RANK, LORA_ALPHA = 16, 32.0
@@ -201,14 +209,14 @@ class _Nothing:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results = Results(args.out / "gpu_memory_fit.json", benchmark="gpu_memory_fit",
-                      weights="random weights (Qwen2.5-3B shape, SmolLM2 tokenizer)" if not args.model else str(args.model),
+                      weights=weights_note(args.model, args.quick),
                       settings={"cap_gib": args.cap_gib, "max_seq_len": args.max_seq_len, "groups": args.groups,
                                 "group_size": args.group_size, "turn_tokens": args.turn_tokens,
                                 "lora_rank": LORA_RANK, "trainer": "unsloth, 4-bit (NF4)", "quick": args.quick,

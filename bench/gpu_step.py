@@ -11,7 +11,7 @@ Qwen2.5-3B-shaped model with RANDOM WEIGHTS and the SmolLM2 tokenizer (no hub on
   `time/step_total`). Overhead = step wall time (rollouts + train call) - rollouts - training.
 - `trl`: `GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)` with a peft
   LoRA, the same rollouts per step (num_generations=R, G prompts per step, `generation_kwargs`
-  ignore_eos), bf16, its default gradient checkpointing, the same vLLM memory share as art_nb's.
+  ignore_eos), bf16 weights, its default gradient checkpointing, the same vLLM memory share as art_nb's.
   Step time from a TrainerCallback (generation, weight sync, loss, optimizer: all of TRL's step).
 
 Each side runs in its own process (GPU memory is its own; one failing keeps the other's numbers).
@@ -39,9 +39,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    QWEN25_3B, QWEN_TINY, GpuUsedPeak, Results, default_out_dir, gpu_memory, part_writer, random_model_dir,
-    rollout_prompts, run_part, stats,
+from _common import (
+    QWEN25_3B,
+    QWEN_TINY,
+    GpuUsedPeak,
+    Results,
+    default_out_dir,
+    gpu_memory,
+    part_writer,
+    random_model_dir,
+    rollout_prompts,
+    run_part,
+    stats,
+    weights_note,
 )
 
 PARTS = ("art", "trl")
@@ -163,7 +173,7 @@ class _nothing:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
@@ -219,11 +229,13 @@ def trl_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
         generation_kwargs={"ignore_eos": True}, temperature=1.0, learning_rate=LEARNING_RATE, beta=0.0,
         loss_type="grpo", max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none",
         bf16=cuda(), fp16=False, use_cpu=not cuda(), seed=0, shuffle_dataset=False,
+        # bf16 weights, as art_nb's trainer holds them (TRL's default is float32 weights under autocast).
+        model_init_kwargs={"dtype": "bfloat16" if cuda() else "float32"},
     )
     result["config"] = {k: getattr(config, k) for k in (
         "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "generation_batch_size",
         "gradient_checkpointing", "bf16", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
-        "loss_type")}
+        "loss_type", "model_init_kwargs")}
     lora = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                       target_modules=list(ArtLora().target_modules), task_type="CAUSAL_LM")
     dataset = prompt_dataset([prompts[i % args.groups] for i in range(args.groups * args.steps)])
@@ -296,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     started = time.monotonic()
     results = Results(args.out / "gpu_step.json", benchmark="gpu_step",
-                      weights="random weights (Qwen2.5-3B shape, SmolLM2 tokenizer)" if not args.model else str(args.model),
+                      weights=weights_note(args.model, args.quick),
                       settings={"groups": args.groups, "group_size": args.group_size, "completion_tokens": args.tokens,
                                 "steps": args.steps, "lora_rank": LORA_RANK, "learning_rate": LEARNING_RATE,
                                 "max_seq_len": args.max_seq_len, "quick": args.quick,

@@ -34,9 +34,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    QWEN25_3B, QWEN_TINY, Results, default_out_dir, gpu_memory, part_writer, prompt_ids, random_model_dir,
-    rollout_prompts, run_part, stats,
+from _common import (
+    QWEN25_3B,
+    QWEN_TINY,
+    Results,
+    default_out_dir,
+    gpu_memory,
+    part_writer,
+    prompt_ids,
+    random_model_dir,
+    rollout_prompts,
+    run_part,
+    stats,
+    weights_note,
 )
 
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         run_one_part(args)
         return
     results = Results(args.out / "gpu_throughput.json", benchmark="gpu_throughput",
-                      weights="random weights (Qwen2.5-3B shape, SmolLM2 tokenizer)" if not args.model else str(args.model),
+                      weights=weights_note(args.model, args.quick),
                       settings={"batch_sizes": args.batch_sizes, "hf_batch_sizes": args.hf_batch_sizes,
                                 "completion_tokens": args.tokens, "repeats": args.repeats, "quick": args.quick,
                                 "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager (start-up ~1 min faster)",

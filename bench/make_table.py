@@ -1,0 +1,259 @@
+"""bench/RESULTS.md and assets/benchmarks.png, generated from the raw results in bench/results/*.json.
+
+Every number in the table is computed from the JSON files (medians of the raw repeats stored there);
+a benchmark whose file is missing, or whose section failed, says so instead of showing a number.
+
+    .venv/bin/python bench/make_table.py [--results bench/results] [--out bench/RESULTS.md] [--plot assets/benchmarks.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def context(data: dict[str, Any]) -> str:
+    machine = data.get("machine", {})
+    where = machine.get("gpu") or f"{machine.get('cpu', 'CPU')} ({machine.get('usable_cores')} cores)"
+    versions = data.get("versions", {})
+    picked = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "peft", "trl", "vllm", "unsloth")
+                       if versions.get(k))
+    return f"_{data.get('date', '?')[:10]} · {where} · {picked} · `{data.get('command', '')}`_"
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def cpu_train_step(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## GRPO training step on CPU: art_nb vs TRL", ""]
+    if not data or "summary" not in data:
+        return lines + ["Not run yet (`bench/cpu_train_step.py`).", ""]
+    s, shape = data["summary"], data["batch_shape"]
+    runs = data["runs"]
+    lines += [context(data), "",
+              (f"Batch: {shape['sequences']} tic-tac-toe trajectories ({shape['groups']} groups x {shape['group_size']}), "
+              f"{shape['tokens']} tokens ({shape['trained_tokens']} sampled, trained), SmolLM2-135M-Instruct fp32, "
+              f"LoRA r{data['lora']['rank']} on all linear layers, {data['threads']} torch thread(s); "
+              f"art_nb splits it into {data['art_nb_microbatches']['count']} microbatches, TRL gets as many "
+              "gradient-accumulation chunks. TRL: "
+              f"{data['versions'].get('trl')} (`GRPOTrainer.compute_loss` + backward + clip + optimizer step)."), "",
+              "| | art_nb | TRL |", "|---|---|---|",
+              (f"| step time, median of {len(runs['art_nb'])} (s) | {s['seconds']['art_nb']['median']:.1f} | "
+              f"{s['seconds']['trl']['median']:.1f} |"),
+              f"| every repeat (s) | {every(runs['art_nb'])} | {every(runs['trl'])} |",
+              f"| tokens/s | {s['tokens_per_s']['art_nb']} | {s['tokens_per_s']['trl']} |",
+              f"| padded tokens computed | {s['padded_tokens']['art_nb']} | {s['padded_tokens']['trl']} |",
+              f"| peak RSS (MiB) | {s['peak_rss_mib']['art_nb']:.0f} | {s['peak_rss_mib']['trl']:.0f} |",
+              f"| loss of the timed step | {runs['art_nb'][0]['loss']:.6f} | {runs['trl'][0]['loss']:.6f} |", "",
+              (f"**TRL time / art_nb time: {s['ratio_trl_over_art_nb']}x** (per repeat: "
+              f"{', '.join(map(str, s['ratio_per_repeat']))}; goal >= 1.5x). art_nb's time includes `prepare_batch` "
+              f"(chat template + tokenisation, median {s['art_nb_prepare_batch_s'].get('median', 0):.2f} s), which TRL "
+              "does during generation. Load average during the repeats: "
+              f"{min(r['loadavg_before'] for v in runs.values() for r in v):.1f}-"
+              f"{max(r['loadavg_after'] for v in runs.values() for r in v):.1f} on a shared machine."), ""]
+    return lines
+
+
+def every(runs: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{r['seconds']:.0f}" for r in runs)
+
+
+def endpoint_overhead(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## OpenAI endpoint overhead on CPU", ""]
+    if not data:
+        return lines + ["Not run yet (`bench/endpoint_overhead.py`).", ""]
+    lines += [context(data), "",
+              (f"Concurrent chat completions of {data['sampling']['max_tokens']} tokens each (fixed length) through "
+              "art_nb's endpoint vs `engine.generate` called directly, same engine (transformers, SmolLM2-135M), "
+              "same seeds."), "",
+              "| concurrent requests | endpoint (s) | direct (s) | overhead | every repeat | same tokens |",
+              "|---|---|---|---|---|---|"]
+    for name, section in data.get("sections", {}).items():
+        if section.get("status") != "ok":
+            lines.append(f"| {name} | failed: {section.get('error', '')[:80]} | | | | |")
+            continue
+        lines.append(f"| {section['concurrency']} | {section['seconds']['endpoint']['median']:.2f} | "
+                     f"{section['seconds']['direct']['median']:.2f} | {section['overhead']:+.1%} | "
+                     f"{', '.join(f'{x:+.1%}' for x in section['overhead_per_repeat'])} | "
+                     f"{section['same_tokens_sampled']} |")
+    return lines + ["", "Goal: under 10%.", ""]
+
+
+def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## Rollout throughput on GPU: art_nb's endpoint vs plain vLLM", ""]
+    if not data:
+        return lines + ["Not run yet (`bench/gpu_throughput.py`, on the H200).", ""]
+    sections = data.get("sections", {})
+    lines += [context(data), "", (f"Model: {data.get('weights')}. {data['settings']['completion_tokens']} tokens per "
+              f"request (fixed), vLLM {data['settings']['vllm']}. Median tokens/s of "
+              f"{data['settings']['repeats']} repeats."), "",
+              ("| batch | plain `LLM.generate` | art_nb engine, direct | art_nb endpoint | endpoint / plain | "
+              "transformers engine (endpoint) |"), "|---|---|---|---|---|---|"]
+    ratios = sections.get("comparison", {}).get("ratios", {})
+    hf = sections.get("comparison", {}).get("hf_endpoint_tokens_per_s", {})
+    for batch, r in ratios.items():
+        lines.append(f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['engine_direct_tokens_per_s']:.0f} | "
+                     f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | "
+                     f"{hf[batch]:.0f} |" if batch in hf else
+                     f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['engine_direct_tokens_per_s']:.0f} | "
+                     f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | |")
+    lines += failures(sections)
+    return lines + ["", "Goal: endpoint / plain >= 0.9.", ""]
+
+
+def gpu_step(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## GRPO step on GPU: art_nb (vLLM + Unsloth) vs TRL (colocated vLLM)", ""]
+    if not data:
+        return lines + ["Not run yet (`bench/gpu_step.py`, on the H200).", ""]
+    sections = data.get("sections", {})
+    st = data["settings"]
+    lines += [context(data), "", (f"Model: {data.get('weights')}. {st['groups']} prompts x {st['group_size']} rollouts "
+              f"of {st['completion_tokens']} tokens per step, LoRA r{st['lora_rank']}; means over steps 2..{st['steps']} "
+              "(step 1 compiles)."), ""]
+    art = sections.get("art", {})
+    if art.get("status") == "ok":
+        s = art["step_stats"]
+        get = lambda k: s.get(k, {}).get("mean", 0.0)
+        lines += ["| art_nb step part | seconds |", "|---|---|",
+                  f"| rollouts (endpoint) | {get('rollout_s'):.2f} |",
+                  f"| pause + vLLM sleep | {get('time/pause'):.2f} |", f"| train | {get('time/train'):.2f} |",
+                  f"| save checkpoint | {get('time/save'):.2f} |", f"| wake + load LoRA | {get('time/swap'):.2f} |",
+                  f"| **whole step** | **{get('wall_s'):.2f}** |", "",
+                  (f"Overhead outside rollouts and training: {get('overhead_share'):.1%} (goal < 5%); "
+                  f"{get('trained_tokens_per_s'):.0f} trained tokens/s; peak GPU memory used "
+                  f"{art.get('peak_gpu_used_gib')} GiB."), ""]
+    trl = sections.get("trl", {})
+    if trl.get("status") == "ok":
+        lines += [(f"TRL {data['versions'].get('trl')}: {trl['step_stats']['wall_s']['mean']:.2f} s per step "
+                  f"(every step: {', '.join(str(s['wall_s']) for s in trl['steps'])}); peak GPU memory used "
+                  f"{trl.get('peak_gpu_used_gib')} GiB."), ""]
+    verdict = sections.get("comparison", {}).get("verdict")
+    if verdict:
+        lines += [f"**{verdict}** (goal: art_nb faster).", ""]
+    return lines + failures(sections)
+
+
+def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## Memory fit: the 2048 notebook's GPU configuration under a T4's 15 GB", ""]
+    if not data:
+        return lines + ["Not run yet (`bench/gpu_memory_fit.py`, on the H200).", ""]
+    sections = data.get("sections", {})
+    st = data["settings"]
+    lines += [context(data), "", (f"Model: {data.get('weights')}, trainer {st['trainer']}, max_seq_len "
+              f"{st['max_seq_len']}, {st['groups']} x {st['group_size']} rollouts; vLLM {st['vllm']}."), "",
+              "| phase | seconds | peak device memory used (GiB) |", "|---|---|---|"]
+    for name in ("register", "rollouts", "train_step"):
+        section = sections.get(name, {})
+        lines.append(f"| {name} | {section.get('seconds', '-')} | {section.get('peak_used_gib', section.get('error', '-'))} |")
+    verdict = sections.get("verdict", {})
+    if "fits" in verdict:
+        lines += ["", f"**{verdict['summary']}** (torch max reserved {verdict['torch_max_reserved_gib']} GiB).", ""]
+    return lines + failures(sections)
+
+
+def failures(sections: dict[str, Any]) -> list[str]:
+    failed = [(k, v) for k, v in sections.items() if v.get("status") == "error"]
+    return [f"- `{k}` failed: {v.get('error', '')[:300]}" for k, v in failed] + ([""] if failed else [])
+
+
+def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
+    """One figure, a panel per benchmark that has data: raw repeats as points, medians as bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("cpu_train_step", "endpoint_overhead", "gpu_throughput", "gpu_step") if results.get(k)]
+    if not panels:
+        return "no results to plot"
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        data = results[name]
+        if name == "cpu_train_step" and "runs" in data:
+            for i, side in enumerate(("art_nb", "trl")):
+                values = [r["seconds"] for r in data["runs"][side]]
+                ax.bar(i, median(values), color=("#3b7dd8", "#b0b0b0")[i])
+                ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+            ax.set_xticks([0, 1], ["art_nb", "TRL"])
+            ax.set_ylabel("seconds per step (lower is better)")
+            ax.set_title("GRPO step, CPU, SmolLM2-135M")
+        elif name == "endpoint_overhead":
+            rows = [s for s in data.get("sections", {}).values() if s.get("status") == "ok"]
+            ax.bar([str(s["concurrency"]) for s in rows], [100 * s["overhead"] for s in rows], color="#3b7dd8")
+            ax.axhline(10, color="red", lw=1, ls="--", label="goal: < 10%")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel("endpoint overhead (%)")
+            ax.set_title("OpenAI endpoint vs direct, CPU")
+            ax.legend(fontsize=8)
+        elif name == "gpu_throughput":
+            ratios = data.get("sections", {}).get("comparison", {}).get("ratios", {})
+            batches = list(ratios)
+            x = range(len(batches))
+            ax.bar([i - 0.2 for i in x], [ratios[b]["plain_tokens_per_s"] for b in batches], 0.4, label="plain vLLM",
+                   color="#b0b0b0")
+            ax.bar([i + 0.2 for i in x], [ratios[b]["endpoint_tokens_per_s"] for b in batches], 0.4,
+                   label="art_nb endpoint", color="#3b7dd8")
+            ax.set_xticks(list(x), batches)
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("tokens/s")
+            ax.set_title("Rollout throughput, 3B (random weights)")
+            ax.legend(fontsize=8)
+        elif name == "gpu_step":
+            sections = data.get("sections", {})
+            art = sections.get("art", {}).get("step_stats", {})
+            trl = sections.get("trl", {}).get("step_stats", {})
+            parts = [("rollout_s", "rollouts"), ("time/pause", "pause+sleep"), ("time/train", "train"),
+                     ("time/save", "save"), ("time/swap", "wake+LoRA")]
+            bottom = 0.0
+            for key, label in parts:
+                value = art.get(key, {}).get("mean", 0.0)
+                ax.bar(0, value, bottom=bottom, label=label)
+                bottom += value
+            if trl:
+                ax.bar(1, trl["wall_s"]["mean"], color="#b0b0b0", label="TRL step")
+            ax.set_xticks([0, 1], ["art_nb", "TRL"])
+            ax.set_ylabel("seconds per step")
+            ax.set_title("GRPO step, 3B (random weights)")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    parser.add_argument("--plot", type=Path, default=ROOT / "assets" / "benchmarks.png")
+    args = parser.parse_args()
+    names = ("cpu_train_step", "endpoint_overhead", "gpu_throughput", "gpu_step", "gpu_memory_fit")
+    results = {name: load(args.results, name) for name in names}
+    figure = plot(results, args.plot)
+    lines = ["# Benchmark results", "",
+             ("Generated by `bench/make_table.py` from the raw JSON in `bench/results/` (every repeat is there, with "
+             "the command, machine and versions); do not edit by hand. How to reproduce: `bench/README.md`."), "",
+             f"![benchmarks]({Path('..') / figure if not figure.startswith('/') else figure})", ""]
+    lines += cpu_train_step(results["cpu_train_step"])
+    lines += endpoint_overhead(results["endpoint_overhead"])
+    lines += gpu_throughput(results["gpu_throughput"])
+    lines += gpu_step(results["gpu_step"])
+    lines += gpu_memory_fit(results["gpu_memory_fit"])
+    args.out.write_text("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {args.out} and {figure}")
+
+
+if __name__ == "__main__":
+    main()
