@@ -26,7 +26,7 @@ class DemoConfig:
     name: str = "tic-tac-toe-demo"
     project: str = "demo"
     path: str = ".art"
-    steps: int = 6
+    steps: int = 3
     groups_per_step: int = 4
     rollouts_per_group: int = 6
     learning_rate: float = 2e-4
