@@ -52,7 +52,7 @@ class TrainConfig(BaseModel):
     epsilon_high: float | None = Field(None, gt=0, description="asymmetric upper clip (DAPO 'clip higher')")
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
     max_grad_norm: float = Field(1.0, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     microbatch_tokens: int | None = Field(
         None, ge=64, description="padded tokens per forward/backward; lower saves memory. None: the trainer picks "
@@ -62,6 +62,9 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        for beta in self.adam_betas:
+            if not 0 <= beta < 1:  # torch would only complain inside the first optimizer step
+                raise ValueError(f"adam_betas={self.adam_betas}: each beta must be in [0, 1), e.g. (0.9, 0.999)")
         if self.loss == "cispo" and self.epsilon_high is None:
             # CISPO clips only the importance weight from above; give it the paper's default.
             self.epsilon_high = 4.0

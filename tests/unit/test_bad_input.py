@@ -324,8 +324,6 @@ def test_train_config_rejects_unusable_numbers_naming_the_field(field: str, valu
     assert 0 < config.learning_rate <= 1 and config.weight_decay >= 0 and config.max_grad_norm > 0
 
 
-@pytest.mark.xfail(strict=True, reason="art_nb/config.py (not this change's file): adam_betas is not range-checked "
-                   "and weight_decay accepts inf; proposed fix in docs/robustness.md")
 @SETTINGS
 @given(betas=st.tuples(st.floats(), st.floats()), weight_decay=st.floats(min_value=0))
 def test_train_config_rejects_betas_outside_0_1_and_infinite_weight_decay(betas, weight_decay) -> None:
