@@ -161,13 +161,13 @@ class ArtSide:
     def step(self) -> dict[str, Any]:
         from art_nb.grpo.advantages import prepare_batch
 
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         metrics = self.trainer.train_step(self.groups, self.config)
-        seconds = time.perf_counter() - started
+        seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu
         mark = time.perf_counter()  # tokenisation alone, outside the timed step, to split it out
         prepare_batch(self.groups, self.trainer.tokenizer, self.config, MAX_SEQ_LEN)
-        return {"seconds": seconds, "prepare_batch_s": time.perf_counter() - mark, "loss": metrics["loss"],
-                "grad_norm": metrics["grad_norm"], "tokens_trained": metrics["tokens_trained"]}
+        return {"seconds": seconds, "cpu_s": cpu_s, "prepare_batch_s": time.perf_counter() - mark,
+                "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "tokens_trained": metrics["tokens_trained"]}
 
 
 class TrlSide:
@@ -219,7 +219,7 @@ class TrlSide:
     def _step(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         self.trainer.current_gradient_accumulation_steps = len(inputs)  # compute_loss divides by it
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
@@ -230,10 +230,10 @@ class TrlSide:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - started
+        seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu
         padded = sum(int(c["prompt_ids"].numel() + c["completion_ids"].numel()) for c in inputs)
-        return {"seconds": seconds, "loss": loss_total, "grad_norm": grad_norm, "microbatches": len(inputs),
-                "padded_tokens": padded}
+        return {"seconds": seconds, "cpu_s": cpu_s, "loss": loss_total, "grad_norm": grad_norm,
+                "microbatches": len(inputs), "padded_tokens": padded}
 
 
 def trl_inputs(items: list[dict[str, Any]], pad_id: int, chunks: int) -> list[dict[str, Any]]:
@@ -320,7 +320,7 @@ def run_worker(kind: str, threads: int, chunks: int, profile: bool = False) -> d
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, __file__, "--worker", kind, "--threads", str(threads), "--chunks", str(chunks)]
     done = subprocess.run(command + (["--profile"] if profile else []), capture_output=True, text=True, env=env,
-                          cwd=ROOT)
+                          cwd=ROOT, check=False)
     for line in done.stdout.splitlines():
         if line.startswith(TAG):
             return json.loads(line[len(TAG):])
@@ -395,8 +395,8 @@ def main() -> None:
             row = run_worker(kinds[name], threads, layout["count"])
             row.update(repeat=repeat, loadavg_before=before, loadavg_after=loadavg(), waited_for_memory_s=waited)
             runs[name].append(row)
-            print(f"  repeat {repeat} {name}: {row['seconds']:.1f} s, loss {row['loss']:.5f}, peak RSS "
-                  f"{row['peak_rss_mib']:.0f} MiB (load {before} -> {row['loadavg_after']})", flush=True)
+            print(f"  repeat {repeat} {name}: {row['seconds']:.1f} s ({row['cpu_s']:.1f} s CPU), loss "
+                  f"{row['loss']:.5f}, peak RSS {row['peak_rss_mib']:.0f} MiB (load {before} -> {row['loadavg_after']})", flush=True)
             results.data["runs"] = runs
             results.save()
     if args.profile:
@@ -428,8 +428,12 @@ def summarize(runs: dict[str, list[dict[str, Any]]], shape: dict[str, Any], layo
     seconds = {k: [r["seconds"] for r in v] for k, v in runs.items()}
     art_step_only = [r["seconds"] - r["prepare_batch_s"] for r in runs["art_nb"]]
     median = {k: stats(v)["median"] for k, v in seconds.items()}
+    cpu = {k: [r["cpu_s"] for r in v] for k, v in runs.items()}
+    cpu_median = {k: stats(v)["median"] for k, v in cpu.items()}
     return {
         "seconds": {k: stats(v) for k, v in seconds.items()},
+        "cpu_seconds": {k: stats(v) for k, v in cpu.items()},
+        "ratio_trl_over_art_nb_cpu_time": round(cpu_median["trl"] / cpu_median["art_nb"], 3),
         "art_nb_prepare_batch_s": stats([r["prepare_batch_s"] for r in runs["art_nb"]]),
         "ratio_trl_over_art_nb": round(median["trl"] / median["art_nb"], 3),
         "ratio_trl_over_art_nb_step_only": round(median["trl"] / stats(art_step_only)["median"], 3),
@@ -442,7 +446,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]], shape: dict[str, Any], layo
         "warmup_loss": {k: v[0]["warmup"]["loss"] for k, v in runs.items()},
         "warmup_grad_norm": {k: v[0]["warmup"]["grad_norm"] for k, v in runs.items()},
         "note": "ratio = median TRL step time / median art_nb step time (art_nb's includes prepare_batch, "
-                "TRL's excludes its tokenisation); tokens/s = real (unpadded) tokens of the batch per second",
+                "TRL's excludes its tokenisation); cpu time = the process's CPU seconds during the step (with one "
+                "torch thread, the work done, whatever else runs on the machine); tokens/s = real (unpadded) "
+                "tokens of the batch per wall second",
     }
 
 

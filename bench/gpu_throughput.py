@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM compile and capture CUDA graphs")
+    parser.add_argument("--deadline-s", type=float, default=570, help="cut parts short to end within this long")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out = args.out or default_out_dir()
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "completion_tokens": args.tokens, "repeats": args.repeats, "quick": args.quick,
                                 "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager (start-up ~1 min faster)",
                                 "sampling": "temperature 1, seed per request, ignore_eos, logprobs of the sampled token"})
+    started = time.monotonic()
     model_dir = args.model
     with results.section("model") as entry:
         started = time.perf_counter()
@@ -253,9 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     budget = {"plain_vllm": 240, "art_vllm": 300, "art_hf": 240}
     for part in args.parts:
+        left = args.deadline_s - (time.monotonic() - started)
         with results.section(part) as entry:
-            entry.update(run_part(Path(__file__), part, forwarded(args, model_dir), args.out,
-                                  timeout_s=budget[part] * (3 if args.quick else 1)))
+            if left < 60 and not args.quick:
+                raise RuntimeError(f"skipped: {left:.0f} s left of the {args.deadline_s:.0f} s deadline; run it "
+                                   f"alone with --parts {part}")
+            timeout = budget[part] * 3 if args.quick else min(budget[part], left - 10)
+            entry.update(run_part(Path(__file__), part, forwarded(args, model_dir), args.out, timeout_s=timeout))
             if "error" in entry:
                 raise RuntimeError(entry["error"])
             entry["summary"] = part_summary(entry)

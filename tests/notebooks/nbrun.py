@@ -32,7 +32,7 @@ def inject_parameters(notebook: nbformat.NotebookNode, parameters: dict[str, Any
     return result
 
 
-def run_notebook(name: str, parameters: dict[str, Any], workdir: Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, float]:
+def run_notebook(name: str, parameters: dict[str, Any], workdir: Path, timeout: int = 1800) -> tuple[nbformat.NotebookNode, float]:
     """Execute `notebooks/{name}.ipynb` in `workdir`; returns the executed notebook and the seconds it took.
 
     Raises nbclient's CellExecutionError (with the cell and traceback) when a cell fails; the

@@ -52,7 +52,7 @@ def executed(tmp_path_factory):
         parameters = {**SMALL, **CASES[name][1], "ART_PATH": str(workdir / ".art"), "OUTPUT_DIR": str(workdir / "out")}
         started = time.perf_counter()
         done = subprocess.run([sys.executable, str(NBRUN), name, json.dumps(parameters), str(workdir)],
-                              capture_output=True, text=True, env=env, timeout=1800)
+                              capture_output=True, text=True, env=env, timeout=3000)
         return workdir, done.returncode, done.stdout + done.stderr, time.perf_counter() - started
 
     started = time.perf_counter()
