@@ -45,6 +45,9 @@ from _common import ROOT, Results, current_rss_mib, loadavg, peak_rss_mib, stats
 RESULTS = ROOT / "bench" / "results"
 BATCH = RESULTS / "cpu_train_step_batch.json"
 LORA_RANK, LORA_ALPHA, LEARNING_RATE, MAX_SEQ_LEN = 16, 32.0, 2e-4, 1024
+TRL_ON_CPU = ("TRL 1.15.0's GRPOTrainer cannot compute its loss on a CPU (its fused LM head calls a Triton kernel "
+              "unconditionally: AttributeError: 'NoneType' object has no attribute 'apply' in trl/trainer/utils.py "
+              "_fused_forward); 1.14.2 is the newest release with a PyTorch path on CPU, so this comparison uses it")
 TAG = "@@bench "  # worker replies are the stdout lines that start with this (libraries print too)
 
 
@@ -382,7 +385,7 @@ def main() -> None:
                       batch_shape=batch["shape"], threads=threads, threads_reason=why,
                       model="HuggingFaceTB/SmolLM2-135M-Instruct (art_nb's offline GGUF copy, float32)",
                       lora={"rank": LORA_RANK, "alpha": LORA_ALPHA, "targets": "all linear"},
-                      learning_rate=LEARNING_RATE, art_nb_microbatches=layout,
+                      learning_rate=LEARNING_RATE, art_nb_microbatches=layout, trl_on_cpu=TRL_ON_CPU,
                       method="each repeat is a fresh process per side: load, warm-up step on group 0, one timed "
                              "step on the whole batch; sides alternate A B B A; peak RSS = getrusage maxrss")
     runs: dict[str, list[dict[str, Any]]] = {"art_nb": [], "trl": []}

@@ -65,8 +65,16 @@ def cpu_train_step(data: dict[str, Any] | None) -> list[str]:
               f"(chat template + tokenisation, median {s['art_nb_prepare_batch_s'].get('median', 0):.2f} s), which TRL "
               "does during generation. Load average during the repeats: "
               f"{min(r['loadavg_before'] for v in runs.values() for r in v):.1f}-"
-              f"{max(r['loadavg_after'] for v in runs.values() for r in v):.1f} on a shared machine."), ""]
-    return lines
+              f"{max(r['loadavg_after'] for v in runs.values() for r in v):.1f} on a shared machine; CPU time "
+              "(one torch thread: the work done) is the steadier measure there."), ""]
+    if data.get("trl_on_cpu"):
+        lines += [f"Why TRL {data['versions'].get('trl')}: {data['trl_on_cpu']}.", ""]
+    for side, label in (("art_nb", "art_nb"), ("trl", "TRL")):
+        rows = data.get("profile", {}).get(side, {}).get("profile", [])
+        if rows:
+            top = ", ".join(f"`{r['op']}` {r['share']:.0%}" for r in rows[:4])
+            lines.append(f"- Profile of one {label} step (self CPU time): {top}.")
+    return lines + [""]
 
 
 def cpu(summary: dict[str, Any], side: str) -> str:
@@ -192,11 +200,15 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
         data = results[name]
         if name == "cpu_train_step" and "runs" in data:
             for i, side in enumerate(("art_nb", "trl")):
-                values = [r["seconds"] for r in data["runs"][side]]
+                runs = data["runs"][side]
+                values = [r.get("cpu_s", r["seconds"]) for r in runs]
                 ax.bar(i, median(values), color=("#3b7dd8", "#b0b0b0")[i])
                 ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
-            ax.set_xticks([0, 1], ["art_nb", "TRL"])
-            ax.set_ylabel("seconds per step (lower is better)")
+                peak = max(r["peak_rss_mib"] for r in runs) / 1024
+                ax.text(i, median(values) * 0.05, f"peak RSS\n{peak:.1f} GiB", ha="center", va="bottom", fontsize=8,
+                        color="white")
+            ax.set_xticks([0, 1], ["art_nb", f"TRL {data['versions'].get('trl', '')}"])
+            ax.set_ylabel("CPU seconds per step (lower is better)")
             ax.set_title("GRPO step, CPU, SmolLM2-135M")
         elif name == "endpoint_overhead":
             rows = [s for s in data.get("sections", {}).values() if s.get("status") == "ok"]
