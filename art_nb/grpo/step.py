@@ -49,7 +49,7 @@ def grpo_step(
     for group in microbatches(items, config.microbatch_tokens or 4096):
         mb = _collate(group, device)
         logprobs, entropy = token_logprobs(
-            model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens
+            model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens, positions=mb.mask
         )
         known = torch.isfinite(mb.engine_logprobs) & mb.mask
         old = torch.where(known, mb.engine_logprobs, logprobs.detach())

@@ -86,6 +86,33 @@ def test_chunked_logprobs_equal_the_full_forward(lora_model, wrap):
         torch.testing.assert_close(grad, ref)
 
 
+def test_logprobs_at_chosen_positions_match_the_full_pass(lora_model):
+    """The lm head runs only where `positions` is set; values and gradients there must not change."""
+    input_ids, attention_mask = padded_batch()
+    positions = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
+    positions[0, 5:9] = True
+    positions[1, 10:13] = True
+    lp, entropy = token_logprobs(lora_model, input_ids, attention_mask, chunk_tokens=4, positions=positions)
+    full_lp, full_entropy = token_logprobs(lora_model, input_ids, attention_mask, chunk_tokens=64)
+    torch.testing.assert_close(lp[positions], full_lp[positions])
+    torch.testing.assert_close(entropy[positions], full_entropy[positions])
+    assert torch.all(lp[~positions] == 0) and torch.all(entropy[~positions] == 0)
+
+    params = [p for p in lora_model.parameters() if p.requires_grad]
+    weights = torch.linspace(-1, 1, lp.numel()).view_as(lp) * positions
+    grads = torch.autograd.grad((lp * weights).sum(), params)
+    ref_grads = torch.autograd.grad((full_lp * weights).sum(), params)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
+
+
+def test_no_chosen_positions_gives_zeros(lora_model):
+    input_ids, attention_mask = padded_batch()
+    positions = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
+    lp, entropy = token_logprobs(lora_model, input_ids, attention_mask, chunk_tokens=8, positions=positions)
+    assert lp.shape == positions.shape and not lp.any() and not entropy.any()
+
+
 def test_logit_softcapping_is_applied():
     model = tiny_llama()
     model.config.final_logit_softcapping = 0.5
