@@ -164,6 +164,11 @@ class VLLMEngine:
             worker.shutdown(wait=False)
             raise EngineError(f"vLLM could not start for {model_path}: {type(exc).__name__}: {exc}") from exc
         VLLMEngine._live += 1
+        scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        if scheduler is not None:
+            reasons.append(f"scheduler: up to {scheduler.max_num_seqs} sequences and {scheduler.max_num_batched_tokens} "
+                           "tokens a step (vLLM's defaults for an in-process engine on this device)")
+            _log.info("vLLM: %s", reasons[-1])
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
         return cls(engine, worker, tokenizer, kwargs["max_model_len"], on_cuda, reasons)
 
@@ -333,7 +338,14 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
         dropped = sorted(set(kwargs) - known)
         if dropped:  # an older vLLM without some knob: run with its default, and say so
             _log.warning("vLLM %s has no %s; using its defaults", _vllm_version(), ", ".join(dropped))
-        return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in known}))
+        from vllm.usage.usage_lib import UsageContext
+
+        # LLM_CLASS, as `vllm.LLM` builds it: the scheduler defaults for an offline, in-process engine.
+        # The from_engine_args default (ENGINE_CONTEXT) falls back to 128 sequences and 2048 tokens a
+        # step: on an H200 that halved throughput at 256 concurrent requests and split every batched
+        # prefill into 2048-token chunks (bench/results/h200/gpu_throughput.json, 2026-11-30).
+        return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in known}),
+                                          usage_context=UsageContext.LLM_CLASS)
     finally:
         if previous is None:
             os.environ.pop(_MP_ENV, None)

@@ -78,3 +78,10 @@ def test_adapter_swap_changes_output_and_unload_restores_base(recorded):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_scheduler_uses_the_offline_defaults_not_the_128_sequence_fallback(recorded):
+    """from_engine_args' default context caps a step at 128 sequences / 2048 tokens: 0.4x plain vLLM at 256."""
+    [line] = [r for r in recorded["reasons"] if r.startswith("scheduler:")]
+    sequences = int(line.split("up to ")[1].split()[0])
+    assert sequences >= 256, line
