@@ -26,10 +26,10 @@ class DemoConfig:
     name: str = "tic-tac-toe-demo"
     project: str = "demo"
     path: str = ".art"
-    steps: int = 3
+    steps: int = 8
     groups_per_step: int = 4
     rollouts_per_group: int = 6
-    learning_rate: float = 2e-4
+    learning_rate: float = 5e-4
     eval_games: int = 32
     eval_seed: int = 10_000
     seed: int = 0
@@ -88,7 +88,7 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
         step_seconds.append(time.perf_counter() - started)
         m = result.metrics
         print(f"step {result.step}: reward {m.get('reward_mean', float('nan')):.3f}  loss {m.get('loss', float('nan')):+.4f}"
-              f"  zero-variance groups {int(m.get('zero_variance_groups', 0))}/{int(m.get('groups', 0))}"
+              f"  groups trained {int(m.get('groups', 0))}/{len(groups)} (others: equal rewards)"
               f"  rollout+train {step_seconds[-1]:.1f}s (train {m.get('time/train', 0):.1f}s)")
 
     trained_step = await model.get_step()
