@@ -37,9 +37,9 @@ _NF4_BYTES_PER_PARAM = 4.5 / 8
 # A LoRA parameter in training: fp32 weight + fp32 gradient + AdamW's two fp32 moments.
 _LORA_STATE_BYTES = 16
 # vLLM beyond weights and KV: the profiling activation peak, sampler, LoRA buffers, CUDA graph pool.
-_VLLM_BASE_OVERHEAD = 1 * GiB
+_VLLM_BASE_OVERHEAD = 2 * GiB  # measured: +2.4 GiB over the profile while serving 64 long rollouts at 3B (bench/results/h200/gpu_memory_fit_*.json)
 _VLLM_CUDA_GRAPHS = GiB // 2
-_VLLM_PREFILL_TOKENS = 8192  # tokens of one scheduler step, what vLLM's profiling run uses
+VLLM_STEP_TOKENS = 8192  # tokens of one scheduler step, what vLLM's profiling run uses
 # What a sleeping vLLM (level 1) still holds: allocator cache, CUDA graph pool, LoRA slots.
 _VLLM_ASLEEP = GiB // 2
 # Without a config.json, assume overheads as for a ~7B model.
@@ -135,6 +135,9 @@ class MemoryPlan:
     trainer_resident_bytes: int
     trainer_peak_bytes: int
     warnings: list[str] = field(default_factory=list)
+    train_awake: bool = False
+    """Training fits beside vLLM's whole share, so vLLM need not sleep for a step (sleep + wake +
+    the first-sleep weight copy cost 0.4-8 s a step at 3B on an H200)."""
 
 
 def plan_gpu_memory(
@@ -163,7 +166,7 @@ def plan_gpu_memory(
         raise ValueError("free_bytes, total_bytes and model_params must be positive")
     reasons: list[str] = []
     warnings: list[str] = []
-    safety = max(GiB, int(0.05 * total_bytes))
+    safety = max(3 * GiB // 2, int(0.05 * total_bytes))  # CUDA context, cuBLAS workspaces: outside torch's allocator
     usable = free_bytes - safety
     reasons.append(f"{_gib(free_bytes)} of {_gib(total_bytes)} free; {_gib(safety)} kept back for "
                    "fragmentation and the notebook")
@@ -198,7 +201,7 @@ def plan_gpu_memory(
     weights = model_params * dtype_bytes
     overhead = _VLLM_BASE_OVERHEAD + (_VLLM_CUDA_GRAPHS if cuda_graphs else 0)
     if shape:
-        overhead += _VLLM_PREFILL_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size) * dtype_bytes
+        overhead += VLLM_STEP_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size) * dtype_bytes
         kv_per_token = shape.kv_bytes_per_token(dtype_bytes)
     else:
         overhead += _UNKNOWN_SHAPE_ACTIVATIONS
@@ -233,6 +236,13 @@ def plan_gpu_memory(
             "(trainer), lower max_seq_len, or use a smaller model"
         )
     kv_bytes = max(vllm_bytes - weights - overhead, 0)
+    awake_peak = resident + int(1.25 * activations)  # a quarter more: the estimate must err towards sleeping
+    train_awake = fits and vllm_bytes + awake_peak <= usable
+    if train_awake:
+        reasons.append(f"vLLM stays awake while training: its {_gib(vllm_bytes)} + training {_gib(awake_peak)} fit")
+    else:
+        reasons.append(f"vLLM sleeps while training: its {_gib(vllm_bytes)} + training {_gib(awake_peak)} exceed "
+                       f"{_gib(usable)}")
     reasons.append(f"gpu_memory_utilization={share} ({_gib(vllm_bytes)}; KV for ~{kv_bytes // kv_per_token} tokens)")
     return MemoryPlan(
         gpu_memory_utilization=share,
@@ -244,6 +254,7 @@ def plan_gpu_memory(
         trainer_resident_bytes=resident,
         trainer_peak_bytes=peak,
         warnings=warnings,
+        train_awake=train_awake,
     )
 
 

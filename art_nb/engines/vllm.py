@@ -55,9 +55,16 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
 
     `memory` is (free, total) accelerator bytes, for the memory plan (CUDA only).
     """
+    kwargs, reasons, _ = _plan_engine(model_path, config, on_cuda, enforce_eager, memory)
+    return kwargs, reasons
+
+
+def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_eager: bool | None,
+                 memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool]:
+    """`engine_args`, plus whether vLLM may stay awake while a step trains."""
     import torch
 
-    from ..memory import count_parameters, plan_gpu_memory, read_model_shape
+    from ..memory import VLLM_STEP_TOKENS, count_parameters, plan_gpu_memory, read_model_shape
     from ..trainers.peft import pick_dtype  # the trainer's dtype: engine and trainer logprobs must agree
 
     reasons: list[str] = []
@@ -91,8 +98,12 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
     shape = read_model_shape(model_path)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     batch_tokens = config.max_batch_size * max_len
+    train_awake = False
     if on_cuda:
         kwargs["enable_sleep_mode"] = True
+        # The memory plan budgets vLLM's activations for this many tokens a step (vLLM's default
+        # for an offline engine on an H200 is 16384, which overran a T4-sized cap).
+        kwargs["max_num_batched_tokens"] = max(VLLM_STEP_TOKENS, max_len)
         free, total = memory if memory is not None else torch.cuda.mem_get_info()
         plan = plan_gpu_memory(
             free, total, count_parameters(model_path), dtype_bytes, config.lora.rank, max_len, batch_tokens,
@@ -104,13 +115,14 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
             raise EngineError("the model does not fit next to the trainer: " + "; ".join(plan.warnings))
         kwargs["gpu_memory_utilization"] = plan.gpu_memory_utilization
         reasons.extend(f"memory: {r}" for r in plan.reasons)
+        train_awake = plan.train_awake
     else:
         # vLLM's CPU build sizes its KV cache in bytes; a modest slice of RAM is plenty for tests.
         per_token = shape.kv_bytes_per_token(dtype_bytes) if shape else 64 * 1024
         kv = min(per_token * batch_tokens, max(per_token * max_len * 4, 1 << 30))
         kwargs["kv_cache_memory_bytes"] = kv
         reasons.append(f"KV cache {kv / 2**30:.2f} GiB of RAM (CPU build: sized in bytes)")
-    return kwargs, reasons
+    return kwargs, reasons, train_awake
 
 
 class VLLMEngine:
@@ -119,8 +131,9 @@ class VLLMEngine:
     _live = 0  # engines built and not closed, in this process
 
     def __init__(self, engine: Any, worker: ThreadPoolExecutor, tokenizer: Any, max_context: int,
-                 on_cuda: bool, reasons: list[str]) -> None:
+                 on_cuda: bool, reasons: list[str], train_awake: bool = False) -> None:
         self._engine = engine
+        self.train_awake = train_awake  # the backend skips sleep/wake around a step when True
         self._worker = worker
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -153,7 +166,7 @@ class VLLMEngine:
         if on_cuda:  # memory a closed engine or trainer left in PyTorch's cache counts as free
             gc.collect()
             torch.cuda.empty_cache()
-        kwargs, reasons = engine_args(Path(model_path), config, on_cuda, enforce_eager)
+        kwargs, reasons, train_awake = _plan_engine(Path(model_path), config, on_cuda, enforce_eager, None)
         for reason in reasons:
             _log.info("vLLM: %s", reason)
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="art_nb-vllm")
@@ -170,7 +183,7 @@ class VLLMEngine:
                            "tokens a step (vLLM's defaults for an in-process engine on this device)")
             _log.info("vLLM: %s", reasons[-1])
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-        return cls(engine, worker, tokenizer, kwargs["max_model_len"], on_cuda, reasons)
+        return cls(engine, worker, tokenizer, kwargs["max_model_len"], on_cuda, reasons, train_awake)
 
     # ---- generation ----------------------------------------------------------------------------
 

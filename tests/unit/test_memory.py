@@ -43,10 +43,24 @@ def test_share_leaves_room_for_the_resident_trainer():
     p = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, max_seq_len=4096,
              batch_tokens=64 * 4096, lora_rank=16, load_in_4bit=True)
     assert p.fits
-    safety = GiB  # max(1 GiB, 5%) on a 15 GiB card
+    safety = 3 * GiB // 2  # max(1.5 GiB, 5%) on a 15 GiB card
     assert p.vllm_bytes + p.trainer_resident_bytes <= 15 * GiB - safety
     assert p.kv_tokens < 64 * 4096  # room ran out before the wanted batch
     assert any("all" in r and "left next to the resident trainer" in r for r in p.reasons)
+    assert not p.train_awake  # vLLM took all the room: it must sleep for training
+    assert any(r.startswith("vLLM sleeps while training") for r in p.reasons)
+
+
+def test_vllm_stays_awake_for_training_only_when_both_fit():
+    small = plan()  # 135M on an H200: everything fits at once
+    assert small.train_awake and any(r.startswith("vLLM stays awake") for r in small.reasons)
+    awake_peak = small.trainer_resident_bytes + 1.25 * (small.trainer_peak_bytes - small.trainer_resident_bytes)
+    assert small.vllm_bytes + awake_peak <= 140 * GiB
+    roomy = plan(free=40 * GiB, total=40 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=2048)
+    tight = plan(free=18 * GiB, total=18 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=2048)
+    assert roomy.train_awake
+    assert tight.fits and not tight.train_awake  # vLLM's share fits, training beside it would not
+    assert abs(tight.vllm_bytes - roomy.vllm_bytes) < 0.1 * GiB  # the same share: only the room around it differs
 
 
 def test_four_bit_trainer_frees_room_for_vllm():
