@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 
 
 def load(results: Path, name: str) -> dict[str, Any] | None:
-    path = results / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    """`name`.json from the results folder, else from its h200/ folder (GPU runs come back from there)."""
+    for path in (results / f"{name}.json", results / "h200" / f"{name}.json"):
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
 
 
 def context(data: dict[str, Any]) -> str:
@@ -127,6 +131,13 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
                      f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['engine_direct_tokens_per_s']:.0f} | "
                      f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | |")
     lines += failures(sections)
+    before = load(RESULTS, "gpu_throughput_before_scheduler_fix")
+    if before:
+        old = before.get("sections", {}).get("comparison", {}).get("ratios", {})
+        lines += ["", ("Before the engine used `vllm.LLM`'s scheduler defaults (same script, same H200, earlier the same "
+                  "day; `h200/gpu_throughput_before_scheduler_fix.json`): endpoint / plain "
+                  + ", ".join(f"{r['endpoint_over_plain']:.2f} at {b}" for b, r in old.items())
+                  + "; the engine then ran at most 128 sequences and 2048 tokens a step.")]
     return lines + ["", "Goal: endpoint / plain >= 0.9.", ""]
 
 
@@ -152,13 +163,23 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
                   f"{get('trained_tokens_per_s'):.0f} trained tokens/s; peak GPU memory used "
                   f"{art.get('peak_gpu_used_gib')} GiB."), ""]
     trl = sections.get("trl", {})
+    earlier = load(RESULTS, "gpu_step_run1")
+    if trl.get("status") != "ok" and earlier and earlier["sections"].get("trl", {}).get("status") == "ok":
+        trl = earlier["sections"]["trl"]
+        old_art = earlier["sections"].get("art", {}).get("step_stats", {})
+        lines += [("TRL's side below comes from the previous run of this script on the same H200 the same day "
+                   f"(`h200/gpu_step_run1.json`, {earlier.get('date', '?')[:16]}); in that run art_nb, before vLLM "
+                   "stayed awake through training and before its 8192-token steps, took "
+                   f"{old_art.get('wall_s', {}).get('mean', 0):.2f} s a step (overhead "
+                   f"{old_art.get('overhead_share', {}).get('mean', 0):.1%})."), ""]
     if trl.get("status") == "ok":
-        lines += [(f"TRL {data['versions'].get('trl')}: {trl['step_stats']['wall_s']['mean']:.2f} s per step "
+        trl_s = trl["step_stats"]["wall_s"]["mean"]
+        lines += [(f"TRL {data['versions'].get('trl')}: {trl_s:.2f} s per step "
                   f"(every step: {', '.join(str(s['wall_s']) for s in trl['steps'])}); peak GPU memory used "
                   f"{trl.get('peak_gpu_used_gib')} GiB."), ""]
-    verdict = sections.get("comparison", {}).get("verdict")
-    if verdict:
-        lines += [f"**{verdict}** (goal: art_nb faster).", ""]
+        if art.get("status") == "ok":
+            art_s = art["step_stats"]["wall_s"]["mean"]
+            lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** (goal: art_nb faster, > 1).", ""]
     return lines + failures(sections)
 
 
@@ -177,6 +198,12 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
     verdict = sections.get("verdict", {})
     if "fits" in verdict:
         lines += ["", f"**{verdict['summary']}** (torch max reserved {verdict['torch_max_reserved_gib']} GiB).", ""]
+    pause = sections.get("train_step", {}).get("metrics", {}).get("time/pause")
+    if pause is not None and pause < 0.01:
+        lines += [("vLLM stayed awake through the train step here: the engine planned against the whole H200, not "
+                   "the cap (the cap is simulated with `set_per_process_memory_fraction`, which the plan does not "
+                   "read), so the train-step peak is higher than a real 15 GB card would see; the rollout peak is not "
+                   "affected."), ""]
     return lines + failures(sections)
 
 
@@ -235,6 +262,9 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
             sections = data.get("sections", {})
             art = sections.get("art", {}).get("step_stats", {})
             trl = sections.get("trl", {}).get("step_stats", {})
+            earlier = load(RESULTS, "gpu_step_run1")
+            if not trl and earlier:  # TRL's side from the previous run (see RESULTS.md)
+                trl = earlier["sections"].get("trl", {}).get("step_stats", {})
             parts = [("rollout_s", "rollouts"), ("time/pause", "pause+sleep"), ("time/train", "train"),
                      ("time/save", "save"), ("time/swap", "wake+LoRA")]
             bottom = 0.0
