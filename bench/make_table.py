@@ -201,9 +201,9 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
     pause = sections.get("train_step", {}).get("metrics", {}).get("time/pause")
     if pause is not None and pause < 0.01:
         lines += [("vLLM stayed awake through the train step here: the engine planned against the whole H200, not "
-                   "the cap (the cap is simulated with `set_per_process_memory_fraction`, which the plan does not "
-                   "read), so the train-step peak is higher than a real 15 GB card would see; the rollout peak is not "
-                   "affected."), ""]
+                   "the cap (the cap is simulated with `set_per_process_memory_fraction`, which the plan did not read "
+                   "then; it does now, `engines/vllm.py: capped_memory`, not yet re-measured on a GPU), so the "
+                   "train-step peak is higher than a 15 GB card would see. The rollout peak is over the cap anyway."), ""]
     return lines + failures(sections)
 
 

@@ -104,16 +104,28 @@ def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_e
         # The memory plan budgets vLLM's activations for this many tokens a step (vLLM's default
         # for an offline engine on an H200 is 16384, which overran a T4-sized cap).
         kwargs["max_num_batched_tokens"] = max(VLLM_STEP_TOKENS, max_len)
-        free, total = memory if memory is not None else torch.cuda.mem_get_info()
+        free, device_total = memory if memory is not None else torch.cuda.mem_get_info()
+        fraction = 1.0
+        if memory is None and hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            fraction = torch.cuda.get_per_process_memory_fraction()
+        free, total = capped_memory(free, device_total, fraction, torch.cuda.memory_reserved() if fraction < 1 else 0)
+        if total < device_total:
+            reasons.append(f"memory: planned within this process's cap of {total / 2**30:.1f} GiB "
+                           f"(torch.cuda.set_per_process_memory_fraction({fraction:g}))")
+        # vLLM's gpu_memory_utilization is a share of the whole device; the plan works within `total`.
+        to_plan = total / device_total
+        override = config.gpu_memory_utilization
         plan = plan_gpu_memory(
             free, total, count_parameters(model_path), dtype_bytes, config.lora.rank, max_len, batch_tokens,
-            config.load_in_4bit, shape=shape, override=config.gpu_memory_utilization, cuda_graphs=not enforce_eager,
+            config.load_in_4bit, shape=shape, override=None if override is None else override / to_plan,
+            cuda_graphs=not enforce_eager,
         )
         for warning in plan.warnings:
             _log.warning("memory: %s", warning)
         if not plan.fits and config.gpu_memory_utilization is None:
             raise EngineError("the model does not fit next to the trainer: " + "; ".join(plan.warnings))
-        kwargs["gpu_memory_utilization"] = plan.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = override if override is not None else round(
+            plan.gpu_memory_utilization * to_plan, 4)
         reasons.extend(f"memory: {r}" for r in plan.reasons)
         train_awake = plan.train_awake
     else:
@@ -123,6 +135,19 @@ def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_e
         kwargs["kv_cache_memory_bytes"] = kv
         reasons.append(f"KV cache {kv / 2**30:.2f} GiB of RAM (CPU build: sized in bytes)")
     return kwargs, reasons, train_awake
+
+
+def capped_memory(free: int, total: int, fraction: float, reserved: int) -> tuple[int, int]:
+    """(free, total) bytes as this process may use them, under `torch.cuda.set_per_process_memory_fraction`.
+
+    A capped process (a shared GPU, or a bigger GPU standing in for a smaller one) must plan within
+    its cap, not within the device: `total` becomes the cap and `free` what is left of it after what
+    torch has already reserved.
+    """
+    if not 0 < fraction < 1:
+        return free, total
+    cap = int(fraction * total)
+    return max(0, min(free, cap - reserved)), cap
 
 
 class VLLMEngine:

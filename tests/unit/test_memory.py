@@ -125,3 +125,13 @@ def test_read_model_shape_and_count_parameters(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(88))
     assert count_parameters(tmp_path) == 22
     assert read_model_shape(tmp_path / "missing") is None
+
+
+def test_a_capped_process_plans_within_its_cap():
+    from art_nb.engines.vllm import capped_memory
+
+    assert capped_memory(100 * GiB, 140 * GiB, 1.0, 0) == (100 * GiB, 140 * GiB)  # no cap
+    free, total = capped_memory(139 * GiB, 140 * GiB, 15 / 140, 2 * GiB)  # a T4-sized cap on an H200
+    assert total == int(15 / 140 * 140 * GiB) and free == total - 2 * GiB
+    assert capped_memory(1 * GiB, 140 * GiB, 0.5, 0) == (1 * GiB, 70 * GiB)  # the device is fuller than the cap
+    assert capped_memory(10 * GiB, 140 * GiB, 0.1, 20 * GiB)[0] == 0  # torch already holds more than the cap
