@@ -38,6 +38,8 @@ class ModelConfig(BaseModel):
     cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; None = chosen and reported")
     max_batch_size: int = Field(64, ge=1, description="sequences the transformers engine decodes at once")
     gpu_memory_utilization: float | None = Field(None, gt=0, lt=1, description="vLLM's share; None = auto")
+    sleep_during_training: bool | None = Field(
+        None, description="put vLLM to sleep while a step trains; None = only when training would not fit beside it")
     seed: int = 0
 
 

@@ -106,8 +106,11 @@ def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_e
         kwargs["max_num_batched_tokens"] = max(VLLM_STEP_TOKENS, max_len)
         free, device_total = memory if memory is not None else torch.cuda.mem_get_info()
         fraction = 1.0
-        if memory is None and hasattr(torch.cuda, "get_per_process_memory_fraction"):
-            fraction = torch.cuda.get_per_process_memory_fraction()
+        if memory is None:
+            try:  # torch >= 2.6; a cap set with torch.cuda.set_per_process_memory_fraction
+                fraction = float(torch.cuda.get_per_process_memory_fraction())
+            except Exception:  # an older torch: plan on the whole device, as before
+                fraction = 1.0
         free, total = capped_memory(free, device_total, fraction, torch.cuda.memory_reserved() if fraction < 1 else 0)
         if total < device_total:
             reasons.append(f"memory: planned within this process's cap of {total / 2**30:.1f} GiB "
@@ -128,6 +131,10 @@ def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_e
             plan.gpu_memory_utilization * to_plan, 4)
         reasons.extend(f"memory: {r}" for r in plan.reasons)
         train_awake = plan.train_awake
+        if config.sleep_during_training is not None:
+            train_awake = not config.sleep_during_training
+            reasons.append(f"vLLM {'sleeps' if config.sleep_during_training else 'stays awake'} while training: "
+                           f"set in ModelConfig.sleep_during_training")
     else:
         # vLLM's CPU build sizes its KV cache in bytes; a modest slice of RAM is plenty for tests.
         per_token = shape.kv_bytes_per_token(dtype_bytes) if shape else 64 * 1024
