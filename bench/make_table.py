@@ -207,6 +207,62 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
     return lines + failures(sections)
 
 
+def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
+    """The README's table: one row per benchmark, art_nb against its peer, from the same JSON."""
+    rows = ["| benchmark | art_nb | peer | ratio | goal |", "|---|---|---|---|---|"]
+    cts = results.get("cpu_train_step")
+    if cts and "summary" in cts:
+        s = cts["summary"]
+        a, t = s["seconds"]["art_nb"]["median"], s["seconds"]["trl"]["median"]
+        rows.append(f"| GRPO step, CPU, SmolLM2-135M, 24 trajectories | {a:.1f} s, {s['peak_rss_mib']['art_nb'] / 1024:.1f} GiB "
+                    f"| TRL {cts['versions'].get('trl')}: {t:.1f} s, {s['peak_rss_mib']['trl'] / 1024:.1f} GiB "
+                    f"| {t / a:.2f}x faster | >= 1.5x, less memory |")
+    eo = results.get("endpoint_overhead")
+    if eo:
+        ok = [v for v in eo.get("sections", {}).values() if v.get("status") == "ok"]
+        if ok:
+            worst = max(ok, key=lambda v: v["overhead"])
+            overheads = ", ".join(format(v["overhead"], "+.1%") for v in ok)
+            levels = ", ".join(str(v["concurrency"]) for v in ok)
+            rows.append(f"| OpenAI endpoint vs engine called directly, CPU | {overheads} at {levels} concurrent | "
+                        f"direct calls | worst {worst['overhead']:+.1%} | < 10% |")
+    tp = results.get("gpu_throughput")
+    ratios = (tp or {}).get("sections", {}).get("comparison", {}).get("ratios", {})
+    if ratios:
+        rows.append("| rollout tokens/s, H200, 3B (random weights), endpoint | "
+                    + ", ".join(f"{r['endpoint_tokens_per_s']:.0f}" for r in ratios.values()) + " at "
+                    + ", ".join(ratios) + " concurrent | plain vLLM: "
+                    + ", ".join(f"{r['plain_tokens_per_s']:.0f}" for r in ratios.values()) + " | "
+                    + ", ".join(f"{r['endpoint_over_plain']:.2f}" for r in ratios.values()) + " | >= 0.9 |")
+    step = results.get("gpu_step")
+    art = (step or {}).get("sections", {}).get("art", {})
+    earlier = load(RESULTS, "gpu_step_run1")
+    trl = (step or {}).get("sections", {}).get("trl")
+    when = ""
+    if not trl and earlier:
+        trl, when = earlier.get("sections", {}).get("trl", {}), " (previous run of the script)"
+    if art.get("status") == "ok" and trl and trl.get("status") == "ok":
+        a, t = art["step_stats"]["wall_s"]["mean"], trl["step_stats"]["wall_s"]["mean"]
+        rows.append(f"| GRPO step, H200, 3B, 64 rollouts x 128 tokens | {a:.2f} s ({art['step_stats']['overhead_share']['mean']:.0%} "
+                    f"overhead) | TRL colocated{when}: {t:.2f} s | {t / a:.2f} | > 1, overhead < 5% |")
+    fit = results.get("gpu_memory_fit")
+    verdict = (fit or {}).get("sections", {}).get("verdict", {})
+    if "fits" in verdict:
+        rows.append(f"| 3B 4-bit, 2048-notebook shapes, under a 15 GiB cap | peak {verdict['peak_used_gib']} GiB | - | "
+                    f"{'fits' if verdict['fits'] else 'does not fit'} | under 15 GiB |")
+    return rows
+
+
+def write_readme_table(readme: Path, rows: list[str]) -> None:
+    """Replace what sits between the README's bench markers with `rows`."""
+    start, end = "<!-- bench:start (bench/make_table.py) -->", "<!-- bench:end -->"
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return
+    head, rest = text.split(start, 1)
+    readme.write_text(head + start + "\n" + "\n".join(rows) + "\n" + end + rest.split(end, 1)[1])
+
+
 def failures(sections: dict[str, Any]) -> list[str]:
     failed = [(k, v) for k, v in sections.items() if v.get("status") == "error"]
     return [f"- `{k}` failed: {v.get('error', '')[:300]}" for k, v in failed] + ([""] if failed else [])
@@ -305,6 +361,7 @@ def main() -> None:
     lines += gpu_step(results["gpu_step"])
     lines += gpu_memory_fit(results["gpu_memory_fit"])
     args.out.write_text("\n".join(lines).rstrip() + "\n")
+    write_readme_table(ROOT / "README.md", summary_table(results))
     print(f"wrote {args.out} and {figure}")
 
 
