@@ -17,6 +17,8 @@ of a worker process.
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import gc
 import signal
@@ -247,7 +249,9 @@ def test_sigint_into_asyncio_run_cells(zygote: Zygote, tiny_model_dir: Path, tmp
 
     def check(name: str, outcome: str, step: int) -> dict[str, Any]:
         cell = cells[name]
-        assert cell["outcome"] == outcome, cell
+        # The whole record (detail holds the cell's return value or error) and the worker's log tail:
+        # a cell that finished instead of being interrupted once slipped through CI without a trace.
+        assert cell["outcome"] == outcome, f"{json.dumps(cell)}\n{zygote.log()[-3000:]}"
         assert cell["step"] == step and cell["steps_on_disk"] == list(range(step + 1)), cell
         assert cell["trainer_matches_checkpoint"] and not cell["gate_paused"], cell
         return cell
