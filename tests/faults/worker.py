@@ -368,6 +368,11 @@ def sigint_run(run_dir: Path, model_dir: Path) -> None:
     """
     import art_nb as art
 
+    # Ctrl-C live, as in a terminal or a kernel. A test run started in the background by a
+    # non-interactive shell inherits SIGINT ignored (POSIX), and then asyncio.run installs no
+    # handler and the SIGINTs below would be dropped: seen as "gather_interrupted finished".
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     rollout = rollout_fn()
     backend = art.LocalBackend(path=run_dir / "art")
     model = make_model(model_dir)
