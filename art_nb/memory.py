@@ -238,11 +238,10 @@ def plan_gpu_memory(
     kv_bytes = max(vllm_bytes - weights - overhead, 0)
     awake_peak = resident + int(1.25 * activations)  # a quarter more: the estimate must err towards sleeping
     train_awake = fits and vllm_bytes + awake_peak <= usable
-    if train_awake:
-        reasons.append(f"vLLM stays awake while training: its {_gib(vllm_bytes)} + training {_gib(awake_peak)} fit")
-    else:
-        reasons.append(f"vLLM sleeps while training: its {_gib(vllm_bytes)} + training {_gib(awake_peak)} exceed "
-                       f"{_gib(usable)}")
+    both = f"its {_gib(vllm_bytes)} + training {_gib(awake_peak)}"
+    reasons.append(f"vLLM stays awake while training: {both} fit in {_gib(usable)}" if train_awake else
+                   f"vLLM sleeps while training: {both} exceed {_gib(usable)}" if fits else
+                   "vLLM sleeps while training: it does not fit as planned")
     reasons.append(f"gpu_memory_utilization={share} ({_gib(vllm_bytes)}; KV for ~{kv_bytes // kv_per_token} tokens)")
     return MemoryPlan(
         gpu_memory_utilization=share,

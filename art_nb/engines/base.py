@@ -69,7 +69,11 @@ class Sample:
 
 @runtime_checkable
 class Engine(Protocol):
-    """An async inference engine. Every method is called from the backend's event loop."""
+    """An async inference engine. Every method is called from the backend's event loop.
+
+    Optional attributes the backend reads with a default: `train_awake` (bool, default False: the
+    backend calls `sleep` before a train step unless it is True) and `dead_reason` (str | None).
+    """
 
     tokenizer: Any  # a transformers PreTrainedTokenizerBase with a chat template
     max_context: int  # prompt + completion tokens the engine accepts

@@ -105,12 +105,9 @@ def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_e
         # for an offline engine on an H200 is 16384, which overran a T4-sized cap).
         kwargs["max_num_batched_tokens"] = max(VLLM_STEP_TOKENS, max_len)
         free, device_total = memory if memory is not None else torch.cuda.mem_get_info()
-        fraction = 1.0
-        if memory is None:
-            try:  # torch >= 2.6; a cap set with torch.cuda.set_per_process_memory_fraction
-                fraction = float(torch.cuda.get_per_process_memory_fraction())
-            except Exception:  # an older torch: plan on the whole device, as before
-                fraction = 1.0
+        fraction = 1.0  # a cap set with torch.cuda.set_per_process_memory_fraction (torch >= 2.6 reads it back)
+        if memory is None and hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            fraction = float(torch.cuda.get_per_process_memory_fraction())
         free, total = capped_memory(free, device_total, fraction, torch.cuda.memory_reserved() if fraction < 1 else 0)
         if total < device_total:
             reasons.append(f"memory: planned within this process's cap of {total / 2**30:.1f} GiB "

@@ -60,7 +60,7 @@ class PreparedBatch:
             "skipped_trajectories": float(self.skipped_trajectories),
             "retokenized_choices": float(self.retokenized_choices),
             "template_fallbacks": float(self.template_fallbacks),
-            "reward": self.reward_mean,
+            "reward_mean": self.reward_mean,  # not "reward": the history keeps the rollouts' own train/reward
             "reward_std": self.reward_std,
         }
 

@@ -72,8 +72,9 @@ def token_logprobs(
     hidden, targets = hidden[positions], targets[positions]  # [N, H], [N]: contiguous, so the head is one mm
     save_memory = torch.is_grad_enabled() and hidden.requires_grad
     logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], max(1, chunk_tokens)):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+    step = max(1, chunk_tokens)
+    for start in range(0, hidden.shape[0], step):
+        h, t = hidden[start : start + step], targets[start : start + step]
         lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if save_memory else chunk(h, t)
         logprobs.append(lp)
         entropies.append(ent)

@@ -112,17 +112,7 @@ class PeftTrainer:
 
     def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any) -> dict[str, float]:
         batch = prepare_batch(groups, self.tokenizer, config, self.config.max_seq_len)
-        metrics: dict[str, float] = {
-            "groups": float(batch.groups),
-            "zero_variance_groups": float(batch.zero_variance_groups),
-            "empty_groups": float(batch.empty_groups),
-            "truncated": float(batch.truncated),
-            "skipped_trajectories": float(batch.skipped_trajectories),
-            "retokenized_choices": float(batch.retokenized_choices),
-            "template_fallbacks": float(batch.template_fallbacks),
-            "reward_mean": batch.reward_mean,
-            "reward_std": batch.reward_std,
-        }
+        metrics = batch.metrics()
         if not batch.items:
             metrics["skipped_empty"] = 1.0
             return metrics

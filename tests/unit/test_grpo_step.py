@@ -78,8 +78,13 @@ def test_chunked_logprobs_equal_the_full_forward(lora_model, wrap):
     torch.testing.assert_close(entropy, ref_entropy)
     assert not entropy.requires_grad
 
+    assert_same_lora_gradients(model, lp, ref_lp, attention_mask[:, 1:])
+
+
+def assert_same_lora_gradients(model, lp, ref_lp, where) -> None:
+    """A weighted sum of `lp` over `where` has the same gradient as the same sum of `ref_lp`."""
     params = [p for p in model.parameters() if p.requires_grad]
-    weights = torch.linspace(-1, 1, lp.numel()).view_as(lp) * attention_mask[:, 1:]
+    weights = torch.linspace(-1, 1, lp.numel()).view_as(lp) * where
     grads = torch.autograd.grad((lp * weights).sum(), params)
     ref_grads = torch.autograd.grad((ref_lp * weights).sum(), params)
     for grad, ref in zip(grads, ref_grads):
@@ -98,12 +103,7 @@ def test_logprobs_at_chosen_positions_match_the_full_pass(lora_model):
     torch.testing.assert_close(entropy[positions], full_entropy[positions])
     assert torch.all(lp[~positions] == 0) and torch.all(entropy[~positions] == 0)
 
-    params = [p for p in lora_model.parameters() if p.requires_grad]
-    weights = torch.linspace(-1, 1, lp.numel()).view_as(lp) * positions
-    grads = torch.autograd.grad((lp * weights).sum(), params)
-    ref_grads = torch.autograd.grad((full_lp * weights).sum(), params)
-    for grad, ref in zip(grads, ref_grads):
-        torch.testing.assert_close(grad, ref)
+    assert_same_lora_gradients(lora_model, lp, full_lp, positions)
 
 
 def test_no_chosen_positions_gives_zeros(lora_model):

@@ -270,17 +270,19 @@ class _Runtime:
             events.emit("train_started", model=model.name, step=step, groups=len(groups))
             mark = time.perf_counter()
             control.training = True  # from here on only the trainer can abandon the step
+            import torch  # loaded by the trainer already; here only for its out-of-memory error
+
             try:
                 metrics = await asyncio.to_thread(state.trainer.train_step, groups, config, control.stop.is_set)
-            except _out_of_memory_errors() as error:
+            except torch.OutOfMemoryError as error:
                 if not awake:
                     raise
                 # The plan was wrong for this batch: from now on vLLM sleeps for every step. The
-                # optimizer had not stepped (train_step raised), so taking the step again is exact.
+                # optimizer had not stepped (train_step raised, and emptied the allocator's cache on
+                # the way out), so taking the step again is exact.
                 _log.warning("training ran out of GPU memory beside an awake vLLM (%s); vLLM sleeps for "
                              "training from now on", str(error).splitlines()[0][:200])
                 state.engine.train_awake = False
-                await asyncio.to_thread(_free_cached_gpu_memory)
                 await state.engine.sleep()
                 metrics = await asyncio.to_thread(state.trainer.train_step, groups, config, control.stop.is_set)
             timings["time/train"] = time.perf_counter() - mark
@@ -468,18 +470,3 @@ class LocalBackend:
         await self._runtime.loop.run(self._runtime.close())
         _RUNTIMES.pop((self._runtime.path, self._runtime.host, self._runtime.port), None)
 
-
-def _out_of_memory_errors() -> tuple[type[BaseException], ...]:
-    import torch
-
-    return (torch.OutOfMemoryError,)
-
-
-def _free_cached_gpu_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
