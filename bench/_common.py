@@ -367,14 +367,36 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def part_writer(out_dir: Path, part: str) -> Callable[[dict[str, Any]], None]:
-    """Inside a part's process: a function that (re)writes its JSON, so a crash keeps what was measured."""
+def measure_part(out_dir: Path, part: str, measure: Callable[[Callable[[dict[str, Any]], None]], dict[str, Any]]) -> None:
+    """Inside a part's process: run `measure(write)`, where `write` (re)writes the part's JSON as results
+    come in, so a crash keeps what was measured, with the error and traceback added."""
     path = out_dir / "_parts" / f"{part}.json"
+    partial: dict[str, Any] = {}
 
     def write(data: dict[str, Any]) -> None:
+        partial.clear()
+        partial.update(data)
         write_json(path, data)
 
-    return write
+    try:
+        write(measure(write))
+    except Exception as exc:
+        write_json(path, {**partial, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                          "traceback": traceback.format_exc()[-4000:]})
+        raise
+
+
+def model_section(results: Results, model: Path | None, quick: bool) -> Path | None:
+    """The "model" section: `model` as given, else the random-weight 3B (a toy one with --quick), built once."""
+    with results.section("model") as entry:
+        mark = time.perf_counter()
+        if model is None:
+            model = random_model_dir(QWEN_TINY if quick else QWEN25_3B,
+                                     "qwen-tiny-random" if quick else "qwen2.5-3b-random")
+        entry.update(path=str(model), seconds=round(time.perf_counter() - mark, 1),
+                     summary=f"{model} ready in {time.perf_counter() - mark:.0f} s")
+        return model
+    return None  # the section recorded why building the model failed
 
 
 def weights_note(model: Path | None, quick: bool) -> str:

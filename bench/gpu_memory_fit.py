@@ -39,14 +39,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
-    QWEN25_3B,
-    QWEN_TINY,
     GiB,
     GpuUsedPeak,
     Results,
     default_out_dir,
     gpu_memory,
-    random_model_dir,
+    model_section,
     weights_note,
 )
 
@@ -222,13 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "lora_rank": LORA_RANK, "trainer": "unsloth, 4-bit (NF4)", "quick": args.quick,
                                 "notebook_defaults_2048_gpu": args.notebook_defaults,
                                 "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager"})
-    model_dir = args.model
-    with results.section("model") as entry:
-        mark = time.perf_counter()
-        if model_dir is None:
-            model_dir = random_model_dir(QWEN_TINY if args.quick else QWEN25_3B,
-                                         "qwen-tiny-random" if args.quick else "qwen2.5-3b-random")
-        entry.update(path=str(model_dir), summary=f"{model_dir} ready in {time.perf_counter() - mark:.0f} s")
+    model_dir = model_section(results, args.model, args.quick)
     if model_dir is not None:
         asyncio.run(run(args, results, model_dir))
 

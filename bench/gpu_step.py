@@ -40,14 +40,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
-    QWEN25_3B,
-    QWEN_TINY,
     GpuUsedPeak,
     Results,
     default_out_dir,
     gpu_memory,
-    part_writer,
-    random_model_dir,
+    measure_part,
+    model_section,
     rollout_prompts,
     run_part,
     stats,
@@ -284,21 +282,8 @@ def prompt_dataset(prompts: list[Any]) -> Any:
 
 
 def run_one_part(args: argparse.Namespace) -> None:
-    write = part_writer(args.out, args.part)
-    partial: dict[str, Any] = {}
-
-    def keep(data: dict[str, Any]) -> None:
-        partial.clear()
-        partial.update(data)
-        write(data)
-
-    try:
-        keep(asyncio.run(art_part(args, keep)) if args.part == "art" else trl_part(args, keep))
-    except Exception as exc:
-        import traceback
-
-        write({**partial, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]})
-        raise
+    measure_part(args.out, args.part,
+                 lambda write: asyncio.run(art_part(args, write)) if args.part == "art" else trl_part(args, write))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -313,13 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "steps": args.steps, "lora_rank": LORA_RANK, "learning_rate": LEARNING_RATE,
                                 "max_seq_len": args.max_seq_len, "quick": args.quick,
                                 "art_nb_vllm": "enforce_eager" if args.eager else "CUDA graphs"})
-    model_dir = args.model
-    with results.section("model") as entry:
-        mark = time.perf_counter()
-        if model_dir is None:
-            model_dir = random_model_dir(QWEN_TINY if args.quick else QWEN25_3B,
-                                         "qwen-tiny-random" if args.quick else "qwen2.5-3b-random")
-        entry.update(path=str(model_dir), summary=f"{model_dir} ready in {time.perf_counter() - mark:.0f} s")
+    model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
         return
     for part in args.parts:

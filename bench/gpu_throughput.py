@@ -35,14 +35,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
-    QWEN25_3B,
-    QWEN_TINY,
     Results,
     default_out_dir,
     gpu_memory,
-    part_writer,
+    measure_part,
+    model_section,
     prompt_ids,
-    random_model_dir,
     rollout_prompts,
     run_part,
     stats,
@@ -208,24 +206,12 @@ def summarize(runs: list[tuple[float, int]]) -> dict[str, Any]:
 
 
 def run_one_part(args: argparse.Namespace) -> None:
-    write = part_writer(args.out, args.part)
-    partial: dict[str, Any] = {}
-
-    def keep(data: dict[str, Any]) -> None:
-        partial.clear()
-        partial.update(data)
-        write(data)
-
-    try:
+    def measure(write: Any) -> dict[str, Any]:
         if args.part == "plain_vllm":
-            keep(plain_vllm(args, keep))
-        else:
-            keep(asyncio.run(art_endpoint(args, keep, "vllm" if args.part == "art_vllm" else "hf")))
-    except Exception as exc:
-        import traceback
+            return plain_vllm(args, write)
+        return asyncio.run(art_endpoint(args, write, "vllm" if args.part == "art_vllm" else "hf"))
 
-        write({**partial, "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]})
-        raise
+    measure_part(args.out, args.part, measure)
 
 
 # ---- the run -------------------------------------------------------------------------------------------
@@ -243,14 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager (start-up ~1 min faster)",
                                 "sampling": "temperature 1, seed per request, ignore_eos, logprobs of the sampled token"})
     started = time.monotonic()
-    model_dir = args.model
-    with results.section("model") as entry:
-        started = time.perf_counter()
-        if model_dir is None:
-            model_dir = random_model_dir(QWEN_TINY if args.quick else QWEN25_3B,
-                                         "qwen-tiny-random" if args.quick else "qwen2.5-3b-random")
-        entry.update(path=str(model_dir), seconds=round(time.perf_counter() - started, 1),
-                     summary=f"{model_dir} ready in {time.perf_counter() - started:.0f} s")
+    model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
         return
     budget = {"plain_vllm": 240, "art_vllm": 300, "art_hf": 240}

@@ -125,11 +125,9 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
     ratios = sections.get("comparison", {}).get("ratios", {})
     hf = sections.get("comparison", {}).get("hf_endpoint_tokens_per_s", {})
     for batch, r in ratios.items():
+        hf_cell = f"{hf[batch]:.0f}" if batch in hf else ""
         lines.append(f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['engine_direct_tokens_per_s']:.0f} | "
-                     f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | "
-                     f"{hf[batch]:.0f} |" if batch in hf else
-                     f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['engine_direct_tokens_per_s']:.0f} | "
-                     f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | |")
+                     f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | {hf_cell} |")
     lines += failures(sections)
     before = load(RESULTS, "gpu_throughput_before_scheduler_fix")
     if before:
