@@ -6,7 +6,9 @@
         trajectories/{split}/{step:04d}.jsonl
 
 A checkpoint is written into a hidden temporary sibling and renamed into place, so a crash at any
-moment leaves either the complete checkpoint or none: "latest" is never half-written. Leftover
+moment leaves either the complete checkpoint or none: "latest" is never half-written. A training step
+stages the adapter first (the engine serves it from there) and finishes the checkpoint in the
+background, so a crash in that window leaves the previous step as the latest. Leftover
 temporaries from a crash are removed on the next open. Names are checked so nothing is ever written
 outside the model directory.
 
@@ -84,16 +86,38 @@ class ModelStore:
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"{step:04d}"
 
-    def write_checkpoint(self, step: int, write: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Path:
-        """Call `write(tmp_dir)` to fill a temporary directory, then rename it to the step's directory.
+    def stage_checkpoint(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Call `write(tmp_dir)` on a fresh temporary directory and return it, not yet a checkpoint.
 
-        Any failure (disk full included) removes the temporary and raises `CheckpointError`; existing
-        checkpoints are untouched.
+        The first half of a checkpoint written in two: an engine can serve the adapter from the
+        staged directory at once, while `write_checkpoint(..., staged=...)` adds the rest, makes it
+        durable and renames it into place in the background. Until then it is a temporary: a crash
+        leaves the previous checkpoint as the latest, and the next open removes the leftover.
         """
-        final = self.checkpoint_dir(step)
         tmp = self.checkpoints / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}-{time.monotonic_ns()}"
         try:
             tmp.mkdir()
+            write(tmp)
+        except BaseException as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(error, Exception):  # interrupts (KeyboardInterrupt, CancelledError) propagate as they are
+                raise self._failed(step, error) from error
+            raise
+        return tmp
+
+    def write_checkpoint(self, step: int, write: Callable[[Path], None], meta: dict[str, Any] | None = None,
+                         *, staged: Path | None = None) -> Path:
+        """Call `write(tmp_dir)` to fill a temporary directory, then rename it to the step's directory.
+
+        `staged` is a directory from `stage_checkpoint` to finish instead of a new one. Any failure
+        (disk full included) removes the temporary and raises `CheckpointError`; existing
+        checkpoints are untouched.
+        """
+        final = self.checkpoint_dir(step)
+        tmp = staged or self.checkpoints / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            if staged is None:
+                tmp.mkdir()
             write(tmp)
             (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), **(meta or {})}))
             for file in tmp.iterdir():
@@ -110,17 +134,19 @@ class ModelStore:
             _fsync_dir(self.checkpoints)
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)
-            # Writers report a full disk in their own types (safetensors: SafetensorError, torch.save:
-            # RuntimeError), not only OSError: every failure gets the same clear message. Interrupts
-            # (KeyboardInterrupt, CancelledError) are not failures and propagate as they are.
-            if isinstance(error, Exception):
-                cause = error.strerror if isinstance(error, OSError) and error.strerror else error
-                raise CheckpointError(
-                    f"could not write checkpoint {step:04d} ({type(error).__name__}: {cause}); "
-                    f"the previous checkpoint (step {self.latest_step()}) is intact"
-                ) from error
+            if isinstance(error, Exception):  # interrupts (KeyboardInterrupt, CancelledError) propagate as they are
+                raise self._failed(step, error) from error
             raise
         return final
+
+    def _failed(self, step: int, error: Exception) -> CheckpointError:
+        """Writers report a full disk in their own types (safetensors: SafetensorError, torch.save:
+        RuntimeError), not only OSError: every failure gets the same clear message."""
+        cause = error.strerror if isinstance(error, OSError) and error.strerror else error
+        return CheckpointError(
+            f"could not write checkpoint {step:04d} ({type(error).__name__}: {cause}); "
+            f"the previous checkpoint (step {self.latest_step()}) is intact"
+        )
 
     def delete_checkpoints(self, steps: Iterable[int]) -> list[int]:
         deleted = []

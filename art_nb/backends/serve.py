@@ -115,6 +115,13 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
+async def _checkpoint_written(backend: Any, model: TrainableModel) -> None:
+    """LocalBackend finishes the newest checkpoint in the background: wait for it before listing or serving files."""
+    wait = getattr(backend, "wait_for_checkpoint", None)
+    if wait is not None:
+        await wait(model)
+
+
 def _checkpoint_steps(backend: Any, model: TrainableModel) -> list[int]:
     checkpoints = Path(backend.checkpoint_dir(model, 0)).parent
     if not checkpoints.is_dir():
@@ -241,6 +248,7 @@ class _Service:
 
     async def checkpoints(self, request: Request) -> JSONResponse:
         model = self.model(request)
+        await _checkpoint_written(self.backend, model)
         return JSONResponse({"steps": _checkpoint_steps(self.backend, model),
                              "step": await self.backend.get_step(model)})
 
@@ -251,20 +259,21 @@ class _Service:
         deleted = await self.backend.delete_checkpoints(model, steps, keep_last=int(body.get("keep_last", 1)))
         return JSONResponse({"deleted": deleted})
 
-    def _checkpoint(self, request: Request) -> Path:
+    async def _checkpoint(self, request: Request) -> Path:
         model = self.model(request)
+        await _checkpoint_written(self.backend, model)
         step = int(request.path_params["step"])
         if step not in _checkpoint_steps(self.backend, model):
             raise _HTTPError(404, f"model {model.name!r} has no checkpoint {step}", "checkpoint_not_found")
         return Path(self.backend.checkpoint_dir(model, step))
 
     async def files(self, request: Request) -> JSONResponse:
-        directory = self._checkpoint(request)
+        directory = await self._checkpoint(request)
         paths = sorted(p for p in directory.iterdir() if p.is_file())
         return JSONResponse({"files": await asyncio.to_thread(lambda: [_file_entry(p) for p in paths])})
 
     async def file(self, request: Request) -> Response:
-        directory = self._checkpoint(request)
+        directory = await self._checkpoint(request)
         name = request.path_params["file"]
         # Only names listed in the directory: nothing outside it can be asked for.
         if name not in {p.name for p in directory.iterdir() if p.is_file()}:

@@ -7,6 +7,7 @@ handed a directory to fill.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +31,14 @@ class Trainer(Protocol):
 
     def save(self, directory: Path) -> None:
         """Write the PEFT adapter (safetensors + config) and optimizer/RNG state into `directory`."""
+        ...
+
+    def save_adapter(self, directory: Path) -> None:
+        """Write only the PEFT adapter: what an engine needs to serve the step."""
+        ...
+
+    def snapshot_state(self) -> Callable[[Path], None]:
+        """Copy optimizer/RNG state now; the returned function writes it into a directory later."""
         ...
 
     def load(self, directory: Path) -> None:

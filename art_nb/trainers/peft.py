@@ -135,22 +135,41 @@ class PeftTrainer:
         return metrics
 
     def _nonfinite_weight(self) -> str | None:
-        """The name of a trainable parameter holding NaN/inf, or None."""
-        for name, param in self.model.named_parameters():
-            if param.requires_grad and not bool(torch.isfinite(param).all()):
-                return name
-        return None
+        """The name of a trainable parameter holding NaN/inf, or None (one device sync, not one per tensor)."""
+        named = [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
+        if not named:
+            return None
+        finite = torch.stack([torch.isfinite(param).all() for _, param in named]).tolist()
+        return next((name for (name, _), ok in zip(named, finite, strict=True) if not ok), None)
 
     def save(self, directory: Path) -> None:
+        self.save_adapter(directory)
+        self.snapshot_state()(directory)
+
+    def save_adapter(self, directory: Path) -> None:
+        """Write the PEFT adapter (safetensors + config): what an engine loads to serve this step."""
         bad = self._nonfinite_weight()
         if bad is not None:
             raise ValueError(f"refusing to save non-finite adapter weights ({bad})")
-        optimizer = self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state
-        if optimizer is not None and not _all_finite(optimizer.get("state", {})):
-            raise ValueError("refusing to save a non-finite optimizer state")
         self.model.save_pretrained(directory, safe_serialization=True)
+
+    def snapshot_state(self) -> Callable[[Path], None]:
+        """Copy optimizer and RNG state to CPU now; the returned function writes that copy later.
+
+        The copy is what lets the file be written in the background while the next step's rollouts
+        run: the optimizer's own tensors change in place at the next step.
+        """
+        optimizer = self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state
+        if optimizer is not None:
+            optimizer = _to_cpu(optimizer)
         state = {"optimizer": optimizer, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
-        torch.save(state, directory / TRAINER_STATE)
+
+        def write(directory: Path) -> None:
+            if optimizer is not None and not _all_finite(optimizer.get("state", {})):
+                raise ValueError("refusing to save a non-finite optimizer state")
+            torch.save(state, directory / TRAINER_STATE)
+
+        return write
 
     def load(self, directory: Path) -> None:
         from peft import set_peft_model_state_dict
@@ -217,6 +236,17 @@ def _stoppable(model: Any, optimizer: torch.optim.Optimizer, should_stop: Callab
             del optimizer.step
         else:
             optimizer.step = own_step  # type: ignore[method-assign]
+
+
+def _to_cpu(state: Any) -> Any:
+    """A CPU copy of a (nested) state dict; tensors already on CPU are cloned, so later in-place updates miss it."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: _to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_cpu(value) for value in state)
+    return state
 
 
 def _all_finite(state: Any) -> bool:

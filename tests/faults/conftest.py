@@ -163,12 +163,21 @@ async def gather_groups(model: Any, groups: int = 2, size: int = 3, seed: int = 
         pbar_desc=None)
 
 
+def wait_for_commit(state: Any, timeout: float = 60) -> None:
+    """Block until the backend has finished the newest checkpoint it writes in the background."""
+    deadline = time.monotonic() + timeout
+    while state.commit is not None and not state.commit.done():
+        assert time.monotonic() < deadline, "the checkpoint commit did not finish"
+        time.sleep(0.02)
+
+
 def adapter_equals_checkpoint(state: Any, step: int) -> bool:
     """Whether the trainer's LoRA weights in memory are exactly checkpoint `step`'s."""
     import torch
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
+    wait_for_commit(state)
     saved = load_file(str(state.store.checkpoint_dir(step) / "adapter_model.safetensors"))
     live = get_peft_model_state_dict(state.trainer.model)
     return saved.keys() == live.keys() and all(torch.equal(saved[k], live[k].cpu()) for k in saved)

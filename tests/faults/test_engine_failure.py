@@ -90,7 +90,7 @@ async def test_a_hung_engine_fails_requests_within_the_stall_timeout(served) -> 
         # Training while the engine is dead: the step is saved, then the swap reports the dead engine.
         with pytest.raises(EngineDeadError, match="stopped answering"):
             await model.train(groups)
-        assert state.step == 2 and state.store.latest_step() == 2
+        assert state.step == 2 and await backend.wait_for_checkpoint(model) == 2 and state.store.latest_step() == 2
 
         await model.register(backend)
         assert state.engine is not hung

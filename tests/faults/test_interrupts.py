@@ -39,6 +39,7 @@ from faults.conftest import (
     read_events,
     rollout,
     tiny_trainable,
+    wait_for_commit,
     wait_for_event,
 )
 
@@ -204,13 +205,13 @@ async def test_cancel_after_the_optimizer_stepped_finishes_and_saves_the_step(se
     step = state.step
     groups = await gather_groups(model, seed=20)
     hold = Hold()
-    save = state.trainer.save
+    save = state.trainer.save_adapter
 
     def held_save(directory: Path) -> None:
         hold()
         save(directory)
 
-    state.trainer.save = held_save
+    state.trainer.save_adapter = held_save
     try:
         train = asyncio.ensure_future(model.train(groups))
         await hold.wait_reached()  # the optimizer has stepped; the checkpoint is being written
@@ -222,8 +223,9 @@ async def test_cancel_after_the_optimizer_stepped_finishes_and_saves_the_step(se
             await train
         assert state.step == step + 1, "the interrupt arrived before the finished step was recorded"
     finally:
-        del state.trainer.save
+        del state.trainer.save_adapter
         hold.release.set()
+    wait_for_commit(state)  # the rest of the checkpoint is written in the background
     assert state.store.latest_step() == step + 1
     assert adapter_equals_checkpoint(state, step + 1)
     completion = await model.openai_client().chat.completions.create(
@@ -241,7 +243,7 @@ def test_sigint_into_asyncio_run_cells(zygote: Zygote, tiny_model_dir: Path, tmp
     import os
 
     os.kill(pid, signal.SIGINT)
-    for point in ("backward", "trainer_state"):
+    for point in ("backward", "adapter"):
         wait_for_event(run_dir, "holding", point=point)
         os.kill(pid, signal.SIGINT)
     assert zygote.wait(pid) == 0, zygote.log()

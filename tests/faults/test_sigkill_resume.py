@@ -126,7 +126,9 @@ class Chain:
     def kill_at(self, point: str) -> None:
         resume_at, logs, seen = self._before()
         code = self.zygote.run(scenario="train", run_dir=self.run_dir, model_dir=self.model, kill=point)
-        last = read_events(self.run_dir)[-1]
+        # The kill may come from the thread finishing a checkpoint in the background while the
+        # main thread logs one more event: the last "kill" event, not the last event, names it.
+        last = next(e for e in reversed(read_events(self.run_dir)[seen:]) if e["event"] in ("kill", "finished"))
         assert code == -signal.SIGKILL, f"kill point {point} was not reached (exit {code}):\n{self.zygote.log()}"
         name, _, n = point.partition(":")
         assert last["event"] == "kill" and last["point"] == name and last["n"] == int(n or 1), last

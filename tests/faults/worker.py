@@ -154,6 +154,7 @@ def install_kill_points() -> None:
     save_file = peft.peft_model.safe_save_file
 
     def wrapped_save_file(tensors: dict[str, Any], filename: str, metadata: Any = None) -> None:
+        hit("adapter")
         if armed("adapter_torn"):
             data = safetensors.torch.save(tensors, metadata=metadata)
             with open(filename, "wb") as handle:
@@ -323,24 +324,30 @@ async def disk_full_run(run_dir: Path, model_dir: Path) -> None:
 
     config = art.TrainConfig(learning_rate=LEARNING_RATE)
     await model.train(await gather(0), config=config)
-    write_checkpoint = ModelStore.write_checkpoint
+    writers = {"stage_checkpoint": ModelStore.stage_checkpoint, "write_checkpoint": ModelStore.write_checkpoint}
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
 
-    def full_disk_write(self: ModelStore, *args: Any, **kwargs: Any) -> Path:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
-        try:
-            return write_checkpoint(self, *args, **kwargs)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    def limited(write: Any) -> Any:
+        def full_disk_write(self: ModelStore, *args: Any, **kwargs: Any) -> Path:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
+            try:
+                return write(self, *args, **kwargs)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+
+        return full_disk_write
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    ModelStore.write_checkpoint = full_disk_write  # type: ignore[method-assign]
+    for name, write in writers.items():
+        setattr(ModelStore, name, limited(write))
     error = ""
     try:
         await model.train(await gather(1), config=config)
+        await backend.wait_for_checkpoint(model)
     except CheckpointError as exc:
         error = str(exc)
-    ModelStore.write_checkpoint = write_checkpoint  # type: ignore[method-assign]
+    for name, write in writers.items():
+        setattr(ModelStore, name, write)
     state = backend._runtime.models[MODEL_NAME]
     event("disk_full", error=error, step=await model.get_step(), trainer_matches_checkpoint=trainer_matches(state))
     result = await model.train(await gather(1), config=config)  # space is back: the next step works
@@ -388,6 +395,7 @@ def sigint_run(run_dir: Path, model_dir: Path) -> None:
             outcome = "KeyboardInterrupt"
         except BaseException as exc:  # noqa: BLE001 - recorded for the test to judge
             outcome, detail = type(exc).__name__, str(exc)[:500]
+        backend.checkpoint_dir(model)  # waits for the checkpoint the backend finishes in the background
         event("cell", cell=name, outcome=outcome, detail=detail, step=state.step, steps_on_disk=state.store.steps(),
               trainer_matches_checkpoint=trainer_matches(state), gate_paused=backend._runtime.gate.paused)
 
@@ -414,7 +422,7 @@ def sigint_run(run_dir: Path, model_dir: Path) -> None:
     _hold = ("backward", 1, 3.0)  # inside the step, before the optimizer: interrupt abandons it
     _counts.clear()
     cell("train_interrupted_before_optimizer", lambda: train(0))
-    _hold = ("trainer_state", 1, 3.0)  # saving, after the optimizer stepped: the step completes
+    _hold = ("adapter", 1, 3.0)  # saving, after the optimizer stepped: the step completes
     _counts.clear()
     cell("train_interrupted_while_saving", lambda: train(0))
     _hold = None
@@ -480,6 +488,9 @@ def child(command: dict[str, Any]) -> None:
     except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
         traceback.print_exc()
     finally:
+        from art_nb.backends.local.backend import finish_checkpoints
+
+        finish_checkpoints()  # what interpreter exit would run (os._exit skips it)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -504,6 +515,9 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["run"] and len(sys.argv) >= 5:
         run({"scenario": sys.argv[2], "run_dir": sys.argv[3], "model_dir": sys.argv[4],
              "kill": sys.argv[5] if len(sys.argv) > 5 else None})
+        from art_nb.backends.local.backend import finish_checkpoints
+
+        finish_checkpoints()  # what interpreter exit would run
         os._exit(0)  # the backend's threads are daemons; do not wait for them
     else:
         sys.exit(__doc__)

@@ -11,6 +11,8 @@ What a step does when things go wrong (docs/robustness.md has the tests):
   caller's `CancelledError` arrives only once the backend has settled.
 - the checkpoint cannot be written (disk full): the trainer is put back on the last checkpoint, so
   memory, disk and the served adapter agree, and `CheckpointError` says the previous one is intact.
+  A step's checkpoint is finished in the background (optimizer state, fsync, rename) while the
+  next rollouts run, so that failure is raised by the next `train` (or `wait_for_checkpoint`).
 - non-finite loss, gradient or weights: nothing is applied (weights rolled back if needed), the
   skip is counted, and `max_nonfinite_steps` in a row raise `TrainingStoppedError`.
 - a dead engine: requests get a 503 naming the cause; `register` again starts a new engine.
@@ -19,6 +21,7 @@ What a step does when things go wrong (docs/robustness.md has the tests):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import events
 from ...config import ModelConfig, TrainConfig
-from ...store import ModelStore
+from ...store import CheckpointError, ModelStore
 from ...trajectory import Trajectory, TrajectoryGroup, check_groups
 from ..base import InferenceEndpoint, ProgressCallback, TrainResult
 from .loop import BackgroundLoop
@@ -74,6 +77,8 @@ class _ModelState:
     loaded_adapters: set[int] = field(default_factory=set)
     nonfinite_in_row: int = 0
     train_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The newest step's checkpoint being finished in the background (its seconds when done).
+    commit: asyncio.Future[float] | None = None
 
     def adapter_name(self, step: int) -> str:
         return f"{self.model_name}@{step}"
@@ -135,7 +140,7 @@ class _Runtime:
         names = []
         for state in self.models.values():
             names.append(state.model_name)
-            names.extend(state.adapter_name(s) for s in state.store.steps())
+            names.extend(state.adapter_name(s) for s in sorted(set(state.store.steps()) | state.loaded_adapters))
         return names
 
     # ---- models ------------------------------------------------------------------------------
@@ -163,6 +168,8 @@ class _Runtime:
             reason = _dead_reason(dead)
             if reason is None:  # another register replaced it while we waited
                 return
+            with contextlib.suppress(CheckpointError):  # logged when it failed; rolled back by settle
+                await self.settle(state)
             _log.warning("engine for %s is dead (%s); starting a new one", state.model_name, reason)
             key = next(k for k, engine in self.engines.items() if engine is dead)
             with contextlib.suppress(Exception):
@@ -224,8 +231,9 @@ class _Runtime:
     ) -> TrainResult:
         state = self.state(model)
         async with state.train_lock:
-            step = state.step
             started = time.perf_counter()
+            settled = await self.settle(state)  # the previous step's checkpoint, finished in the background
+            step = state.step
             # Nothing lost: the trajectories are on disk before any weight changes.
             records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
             await asyncio.to_thread(state.store.append_trajectories, "train", step, records)
@@ -234,7 +242,7 @@ class _Runtime:
                 "step": step, "split": "train", "time": time.time(), **{f"train/{k}": v for k, v in rollouts.items()}})
             events.emit("log", model=model.name, step=step, split="train", metrics=rollouts)
             control = _StepControl()
-            update = asyncio.ensure_future(self._update(model, state, groups, config, control, started))
+            update = asyncio.ensure_future(self._update(model, state, groups, config, control, started, settled))
             try:
                 result = await asyncio.shield(update)
             except asyncio.CancelledError:
@@ -255,11 +263,12 @@ class _Runtime:
 
     async def _update(
         self, model: TrainableModel, state: _ModelState, groups: list[TrajectoryGroup], config: TrainConfig,
-        control: _StepControl, started: float,
+        control: _StepControl, started: float, settled: dict[str, float],
     ) -> TrainResult | None:
-        """Pause serving, take the step, save it, serve it. None when `control.stop` abandoned it."""
+        """Pause serving, take the step, stage its checkpoint, serve it, and start finishing the
+        checkpoint in the background. None when `control.stop` abandoned the step."""
         step = state.step
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = dict(settled)
         mark = time.perf_counter()
         try:
             await self.gate.pause()
@@ -296,23 +305,24 @@ class _Runtime:
             mark = time.perf_counter()
             new_step = step + 1
             try:
-                await asyncio.to_thread(
-                    state.store.write_checkpoint, new_step, state.trainer.save, {"base_model": state.base_model}
-                )
+                staged, write_state = await asyncio.to_thread(self._stage, state, new_step)
             except Exception:
                 # The update exists only in memory: go back to the last checkpoint so the trainer,
                 # the disk and the served adapter agree; the next step starts from there.
                 await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
                 raise
-            state.step = new_step  # the checkpoint on disk is the truth from here on
+            state.step = new_step  # served from the staged adapter now; on disk once the commit lands
             timings["time/save"] = time.perf_counter() - mark
             mark = time.perf_counter()
-            await state.engine.wake()
-            await state.engine.load_adapter(state.adapter_name(new_step), state.store.checkpoint_dir(new_step))
-            state.loaded_adapters.add(new_step)
-            for old in sorted(state.loaded_adapters - {new_step}):
-                await state.engine.unload_adapter(state.adapter_name(old))
-                state.loaded_adapters.discard(old)
+            try:
+                await state.engine.wake()
+                await state.engine.load_adapter(state.adapter_name(new_step), staged)
+                state.loaded_adapters.add(new_step)
+                for old in sorted(state.loaded_adapters - {new_step}):
+                    await state.engine.unload_adapter(state.adapter_name(old))
+                    state.loaded_adapters.discard(old)
+            finally:  # only now: the engine has read the staged files, and the commit renames them
+                state.commit = self._start_commit(state, new_step, staged, write_state)
             timings["time/swap"] = time.perf_counter() - mark
         finally:
             await state.engine.wake()
@@ -325,6 +335,70 @@ class _Runtime:
         events.emit("train_finished", model=model.name, step=new_step, metrics=metrics,
                     checkpoint=str(state.store.checkpoint_dir(new_step)))
         return TrainResult(step=new_step, metrics=metrics)
+
+    @staticmethod
+    def _stage(state: _ModelState, step: int) -> tuple[Path, Any]:
+        """Copy the trainer state to CPU, write the adapter into a staged directory (both quick)."""
+        write_state = state.trainer.snapshot_state()
+        return state.store.stage_checkpoint(step, state.trainer.save_adapter), write_state
+
+    def _start_commit(self, state: _ModelState, step: int, staged: Path, write_state: Any) -> asyncio.Future[float]:
+        """Finish checkpoint `step` (optimizer state, meta, fsync, rename) in a thread, off the step's path."""
+
+        def commit() -> float:
+            mark = time.perf_counter()
+            state.store.write_checkpoint(step, write_state, {"base_model": state.base_model}, staged=staged)
+            return time.perf_counter() - mark
+
+        task = asyncio.ensure_future(asyncio.to_thread(commit))
+
+        def report(done: asyncio.Future[float]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                _log.error("%s; the next train() puts the trainer back on that checkpoint and raises",
+                           done.exception())
+
+        task.add_done_callback(report)
+        return task
+
+    async def settle(self, state: _ModelState) -> dict[str, float]:
+        """Wait for the checkpoint being finished in the background; on failure, roll back and raise.
+
+        Returns how long the commit took and how long this waited for it (0 when the next rollouts
+        took longer than the commit, the usual case).
+        """
+        task = state.commit
+        if task is None:
+            return {}
+        mark = time.perf_counter()
+        try:
+            seconds = await asyncio.shield(task)  # an interrupted wait leaves the commit running
+        except Exception as error:
+            if state.commit is task:  # the first waiter to see the failure rolls back
+                state.commit = None
+                await self._roll_back(state)
+            if isinstance(error, CheckpointError):
+                raise
+            raise CheckpointError(f"could not write checkpoint {state.step + 1:04d} ({error!r})") from error
+        if state.commit is task:
+            state.commit = None
+        return {"time/commit_previous": seconds, "time/commit_wait": time.perf_counter() - mark}
+
+    async def _roll_back(self, state: _ModelState) -> None:
+        """Put trainer and served adapter back on the newest complete checkpoint (a commit failed)."""
+        failed, good = state.step, state.store.latest_step() or 0
+        await self.gate.pause()
+        try:
+            await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(good))
+            state.step = good
+            await state.engine.wake()
+            if good > 0 and good not in state.loaded_adapters:
+                await state.engine.load_adapter(state.adapter_name(good), state.store.checkpoint_dir(good))
+                state.loaded_adapters.add(good)
+            if failed != good and failed in state.loaded_adapters:
+                await state.engine.unload_adapter(state.adapter_name(failed))
+                state.loaded_adapters.discard(failed)
+        finally:
+            self.gate.resume()
 
     def _check_finite(self, state: _ModelState, metrics: dict[str, float], config: TrainConfig) -> None:
         if metrics.get("skipped_nonfinite"):
@@ -359,12 +433,18 @@ class _Runtime:
         existing = state.store.steps()
         targets = set(steps) if steps is not None else set(existing[: max(0, len(existing) - max(keep_last, 1))])
         targets.discard(state.step)
+        await self.settle(state)
         for step in targets & state.loaded_adapters:
             await state.engine.unload_adapter(state.adapter_name(step))
             state.loaded_adapters.discard(step)
         return await asyncio.to_thread(state.store.delete_checkpoints, sorted(targets))
 
     async def close(self) -> None:
+        for state in self.models.values():
+            try:
+                await self.settle(state)
+            except CheckpointError as error:  # already rolled back and logged; closing goes on
+                _log.error("%s", error)
         for engine in self.engines.values():
             await engine.close()
         self.engines.clear()
@@ -372,6 +452,25 @@ class _Runtime:
         if self.server is not None:
             await self.server.stop()
             self.server = None
+
+
+def finish_checkpoints() -> None:
+    """Wait for checkpoints still being finished in the background; runs at interpreter exit.
+
+    The backend loop is a daemon thread: without this, a script that ends right after its last
+    `train` would report a checkpoint failure nowhere (the write itself is joined with the thread pool).
+    """
+    for runtime in list(_RUNTIMES.values()):
+        for state in list(runtime.models.values()):
+            if state.commit is None:
+                continue
+            try:
+                runtime.loop.run_sync(runtime.settle(state), timeout=600)
+            except Exception as error:  # noqa: BLE001 - at exit, the log is all there is
+                _log.error("checkpoint of %s at exit: %s", state.model_name, error)
+
+
+atexit.register(finish_checkpoints)
 
 
 def _dead_reason(engine: Engine) -> str | None:
@@ -458,8 +557,25 @@ class LocalBackend:
         steps = None if steps is None else list(steps)
         return await self._runtime.loop.run(self._runtime.delete_checkpoints(model, steps, keep_last))
 
+    async def wait_for_checkpoint(self, model: TrainableModel) -> int:
+        """Wait until the served step's checkpoint is complete on disk, and return that step.
+
+        `train` returns once the new adapter is served; its checkpoint (optimizer state, fsync) is
+        finished in the background. Raises `CheckpointError` if that failed, after putting the
+        trainer and the served adapter back on the previous checkpoint.
+        """
+        runtime = self._runtime
+        state = runtime.state(model)
+        await runtime.loop.run(runtime.settle(state))
+        return state.step
+
     def checkpoint_dir(self, model: TrainableModel, step: int | None = None) -> Path:
-        state = self._runtime.state(model)
+        """Where checkpoint `step` (default: the served one) is; waits for it to be complete when
+        called from outside the backend (on its loop, `await wait_for_checkpoint` first)."""
+        runtime = self._runtime
+        state = runtime.state(model)
+        if state.commit is not None and not runtime.loop.is_current():
+            runtime.loop.run_sync(runtime.settle(state))
         return state.store.checkpoint_dir(state.step if step is None else step)
 
     def model_dir(self, model: Model) -> Path:
