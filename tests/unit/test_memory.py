@@ -43,7 +43,7 @@ def test_share_leaves_room_for_the_resident_trainer():
     p = plan(free=15 * GiB, total=15 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, max_seq_len=4096,
              batch_tokens=64 * 4096, lora_rank=16, load_in_4bit=True)
     assert p.fits
-    safety = 3 * GiB // 2  # max(1.5 GiB, 5%) on a 15 GiB card
+    safety = 3 * GiB  # max(3 GiB, 8%) on a 15 GiB card
     assert p.vllm_bytes + p.trainer_resident_bytes <= 15 * GiB - safety
     assert p.kv_tokens < 64 * 4096  # room ran out before the wanted batch
     assert any("all" in r and "left next to the resident trainer" in r for r in p.reasons)
@@ -57,7 +57,7 @@ def test_vllm_stays_awake_for_training_only_when_both_fit():
     awake_peak = small.trainer_resident_bytes + 1.25 * (small.trainer_peak_bytes - small.trainer_resident_bytes)
     assert small.vllm_bytes + awake_peak <= 140 * GiB
     roomy = plan(free=40 * GiB, total=40 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=2048)
-    tight = plan(free=18 * GiB, total=18 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=2048)
+    tight = plan(free=20 * GiB, total=20 * GiB, params=LLAMA3B_PARAMS, shape=LLAMA3B, batch_tokens=2048)
     assert roomy.train_awake
     assert tight.fits and not tight.train_awake  # vLLM's share fits, training beside it would not
     assert abs(tight.vllm_bytes - roomy.vllm_bytes) < 0.1 * GiB  # the same share: only the room around it differs
