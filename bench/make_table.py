@@ -120,15 +120,36 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
     lines += [context(data), "", (f"Model: {data.get('weights')}. {data['settings']['completion_tokens']} tokens per "
               f"request (fixed), vLLM {data['settings']['vllm']}. Median tokens/s of "
               f"{data['settings']['repeats']} repeats."), "",
-              ("| batch | plain `LLM.generate` | art_nb engine, direct | art_nb endpoint | endpoint / plain | "
-              "transformers engine (endpoint) |"), "|---|---|---|---|---|---|"]
+              ("| batch | plain `LLM.generate` | art_nb engine, driven like `LLM.generate` | art_nb engine, direct "
+               "(asyncio driver) | art_nb endpoint | endpoint / plain | transformers engine (endpoint) |"),
+              "|---|---|---|---|---|---|---|"]
     ratios = sections.get("comparison", {}).get("ratios", {})
     hf = sections.get("comparison", {}).get("hf_endpoint_tokens_per_s", {})
+
+    def cell(r: dict[str, Any], mode: str, key: str) -> str:
+        ms = r.get("ms_per_step", {}).get(mode)
+        rate = r.get(key)
+        if rate is None:
+            return "-"
+        return f"{rate:.0f}" + (f" ({ms:.1f} ms/step)" if ms is not None else "")
+
     for batch, r in ratios.items():
         hf_cell = f"{hf[batch]:.0f}" if batch in hf else ""
-        lines.append(f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['engine_direct_tokens_per_s']:.0f} | "
-                     f"{r['endpoint_tokens_per_s']:.0f} | {r['endpoint_over_plain']:.2f} | {hf_cell} |")
+        lines.append(f"| {batch} | {cell(r, 'plain', 'plain_tokens_per_s')} | "
+                     f"{cell(r, 'engine_sync', 'engine_sync_tokens_per_s')} | "
+                     f"{cell(r, 'engine_direct', 'engine_direct_tokens_per_s')} | "
+                     f"{cell(r, 'endpoint', 'endpoint_tokens_per_s')} | {r['endpoint_over_plain']:.2f} | {hf_cell} |")
     lines += failures(sections)
+    previous = load(RESULTS, "gpu_throughput_run2")
+    if previous:
+        old = previous.get("sections", {}).get("comparison", {}).get("ratios", {})
+        lines += ["", ("The previous run with the same engine code (`h200/gpu_throughput_run2.json`, earlier the same "
+                  "day) measured endpoint / plain " + ", ".join(f"{r['endpoint_over_plain']:.2f} at {b}" for b, r in old.items())
+                  + ": on this shared host a run's ratios move by ~0.1 from run to run. Where the time goes "
+                  "(per-step timing of `step()` in every mode, `h200/gpu_throughput.json`): the asyncio driver adds "
+                  "0.4 ms a step between steps; the endpoint's cost is per request (rendering, JSON with 128 logprobs "
+                  "each, the OpenAI client parsing it, all in this process) and shows before the first and after the "
+                  "last step.")]
     before = load(RESULTS, "gpu_throughput_before_scheduler_fix")
     if before:
         old = before.get("sections", {}).get("comparison", {}).get("ratios", {})
@@ -178,6 +199,14 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
         if art.get("status") == "ok":
             art_s = art["step_stats"]["wall_s"]["mean"]
             lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** (goal: art_nb faster, > 1).", ""]
+    before = load(RESULTS, "gpu_step_before_background_checkpoint")
+    if before and before.get("sections", {}).get("art", {}).get("status") == "ok":
+        old = before["sections"]["art"]["step_stats"]
+        lines += [("Before the checkpoint was finished in the background (`h200/gpu_step_before_background_checkpoint"
+                   f".json`): save {old['time/save']['mean']:.2f} s, whole step {old['wall_s']['mean']:.2f} s, overhead "
+                   f"{old['overhead_share']['mean']:.1%}. Now `time/save` is the adapter written for serving plus a CPU "
+                   "copy of the optimizer state; the rest of the checkpoint (optimizer state, fsync, rename) overlaps "
+                   "the next step's rollouts."), ""]
     return lines + failures(sections)
 
 
@@ -202,6 +231,11 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
                    "the cap (the cap is simulated with `set_per_process_memory_fraction`, which the plan did not read "
                    "then; it does now, `engines/vllm.py: capped_memory`, not yet re-measured on a GPU), so the "
                    "train-step peak is higher than a 15 GB card would see. The rollout peak is over the cap anyway."), ""]
+    old = load(RESULTS, "gpu_memory_fit_run3_old_margin")
+    if old and "fits" in old.get("sections", {}).get("verdict", {}):
+        v = old["sections"]["verdict"]
+        lines += [(f"With the plan's earlier margin (1.5 GiB kept back; `h200/gpu_memory_fit_run3_old_margin.json`) the "
+                   f"peak was {v['peak_used_gib']} GiB: {v['summary']}. The plan now keeps back max(3 GiB, 8%)."), ""]
     return lines + failures(sections)
 
 
