@@ -29,6 +29,7 @@ import json
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
@@ -406,18 +407,34 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
         "token_ids": ids,
     }
     if req.logprobs:
+        texts = _token_texts(tokenizer)
         entries = []
         for token_id, logprob in zip(ids, logprobs, strict=True):
-            # Per-token text: a token holding part of a UTF-8 character decodes to U+FFFD.
-            token = tokenizer.decode([token_id])
+            text = texts.get(token_id)
+            if text is None:
+                # Per-token text: a token holding part of a UTF-8 character decodes to U+FFFD.
+                token = tokenizer.decode([token_id])
+                text = texts[token_id] = (token, list(token.encode()))
             entries.append({
-                "token": token,
+                "token": text[0],
                 "logprob": max(logprob, _MIN_LOGPROB),  # JSON has no -inf
-                "bytes": list(token.encode()),
+                "bytes": text[1],
                 "top_logprobs": [],
             })
         choice["logprobs"] = {"content": entries, "refusal": None}
     return choice
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, list[int]]]] = weakref.WeakKeyDictionary()
+
+
+def _token_texts(tokenizer: Any) -> dict[int, tuple[str, list[int]]]:
+    """Per-token text and bytes, decoded once per tokenizer: one `decode` call per token of every
+    response was most of the server's time per request (all of it on the event loop, beside vLLM)."""
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TOKEN_TEXTS[tokenizer] = {}
+    return texts
 
 
 # --- the app ------------------------------------------------------------------------------------
