@@ -79,6 +79,7 @@ class _ModelState:
     train_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The newest step's checkpoint being finished in the background (its seconds when done).
     commit: asyncio.Future[float] | None = None
+    commit_seconds: float | None = None  # how long the last one took, for the next step's metrics
 
     def adapter_name(self, step: int) -> str:
         return f"{self.model_name}@{step}"
@@ -233,6 +234,9 @@ class _Runtime:
         async with state.train_lock:
             started = time.perf_counter()
             settled = await self.settle(state)  # the previous step's checkpoint, finished in the background
+            if state.commit_seconds is not None:  # reported with the step after (0 s waited if settled already)
+                settled["time/commit_previous"], state.commit_seconds = state.commit_seconds, None
+                settled.setdefault("time/commit_wait", 0.0)
             step = state.step
             # Nothing lost: the trajectories are on disk before any weight changes.
             records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
@@ -363,8 +367,8 @@ class _Runtime:
     async def settle(self, state: _ModelState) -> dict[str, float]:
         """Wait for the checkpoint being finished in the background; on failure, roll back and raise.
 
-        Returns how long the commit took and how long this waited for it (0 when the next rollouts
-        took longer than the commit, the usual case).
+        Returns how long this waited for it (0 when the rollouts since took longer than the commit,
+        the usual case); how long the commit took is kept in `state.commit_seconds`.
         """
         task = state.commit
         if task is None:
@@ -380,8 +384,8 @@ class _Runtime:
                 raise
             raise CheckpointError(f"could not write checkpoint {state.step + 1:04d} ({error!r})") from error
         if state.commit is task:
-            state.commit = None
-        return {"time/commit_previous": seconds, "time/commit_wait": time.perf_counter() - mark}
+            state.commit, state.commit_seconds = None, seconds
+        return {"time/commit_wait": time.perf_counter() - mark}
 
     async def _roll_back(self, state: _ModelState) -> None:
         """Put trainer and served adapter back on the newest complete checkpoint (a commit failed)."""
