@@ -7,7 +7,9 @@ Qwen2.5-3B-shaped model with RANDOM WEIGHTS and the SmolLM2 tokenizer (no hub on
 
 - `art`: `LocalBackend` with engine "vllm" and trainer "unsloth" (peft on a CPU dry run). Rollouts go
   through the OpenAI endpoint; `model.train` reports where the step's time went (`time/pause`: pause
-  serving + vLLM sleep, `time/train`, `time/save`: checkpoint, `time/swap`: wake + load the new LoRA,
+  serving + vLLM sleep, `time/train`, `time/save`: the adapter staged for serving + a CPU copy of the optimizer state (the
+  rest of the checkpoint is written in the background during the next rollouts; its wait, if any, is
+  `time/commit_wait` of the next step, inside the step's wall time), `time/swap`: wake + load the new LoRA,
   `time/step_total`). Overhead = step wall time (rollouts + train call) - rollouts - training.
 - `trl`: `GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)` with a peft
   LoRA, the same rollouts per step (num_generations=R, G prompts per step, `generation_kwargs`
@@ -54,7 +56,8 @@ from _common import (
 
 PARTS = ("art", "trl")
 LORA_RANK, LORA_ALPHA, LEARNING_RATE = 16, 32.0, 5e-5
-TIME_KEYS = ("time/pause", "time/train", "time/save", "time/swap", "time/step_total")
+TIME_KEYS = ("time/pause", "time/train", "time/save", "time/swap", "time/step_total", "time/commit_wait",
+             "time/commit_previous")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
