@@ -193,7 +193,8 @@ class HFEngine:
         internal = f"adapter_{next(self._adapter_ids)}"
         await self._in_worker(self._load_peft, internal, path)
         previous, self._adapters[name] = self._adapters.get(name), internal
-        logger.info("HF engine: adapter %s loaded from %s", name, path)
+        logger.info("HF engine: adapter %s loaded", name)
+        logger.debug("HF engine: adapter %s read from %s", name, path)
         if previous is not None:
             self._retire(previous)
 
