@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .backends.base import checkpoint_written
 from .store import check_name
 
 if TYPE_CHECKING:
@@ -162,8 +163,7 @@ async def export_model(
 ) -> ExportResult:
     """Export `model`'s served checkpoint (or `step`) with `export_adapter`, off the event loop."""
     backend = backend if backend is not None else model.backend
-    if hasattr(backend, "wait_for_checkpoint"):  # LocalBackend finishes the newest one in the background
-        await backend.wait_for_checkpoint(model)
+    await checkpoint_written(backend, model)
     checkpoint = backend.checkpoint_dir(model, step)
     options.setdefault("base_model", model.base_model)
     options.setdefault("name", model.name)

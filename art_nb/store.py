@@ -19,12 +19,13 @@ readers skip lines that do not parse.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,9 @@ class ModelStore:
         leaves the previous checkpoint as the latest, and the next open removes the leftover.
         """
         tmp = self.checkpoints / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}-{time.monotonic_ns()}"
-        try:
+        with self._removed_on_failure(tmp, step):
             tmp.mkdir()
             write(tmp)
-        except BaseException as error:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(error, Exception):  # interrupts (KeyboardInterrupt, CancelledError) propagate as they are
-                raise self._failed(step, error) from error
-            raise
         return tmp
 
     def write_checkpoint(self, step: int, write: Callable[[Path], None], meta: dict[str, Any] | None = None,
@@ -114,11 +110,10 @@ class ModelStore:
         checkpoints are untouched.
         """
         final = self.checkpoint_dir(step)
-        tmp = staged or self.checkpoints / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}-{time.monotonic_ns()}"
-        try:
-            if staged is None:
-                tmp.mkdir()
-            write(tmp)
+        tmp = staged or self.stage_checkpoint(step, write)
+        with self._removed_on_failure(tmp, step):
+            if staged is not None:
+                write(tmp)
             (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), **(meta or {})}))
             for file in tmp.iterdir():
                 with open(file, "rb") as handle:
@@ -132,21 +127,27 @@ class ModelStore:
             else:
                 tmp.rename(final)
             _fsync_dir(self.checkpoints)
-        except BaseException as error:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(error, Exception):  # interrupts (KeyboardInterrupt, CancelledError) propagate as they are
-                raise self._failed(step, error) from error
-            raise
         return final
 
-    def _failed(self, step: int, error: Exception) -> CheckpointError:
-        """Writers report a full disk in their own types (safetensors: SafetensorError, torch.save:
-        RuntimeError), not only OSError: every failure gets the same clear message."""
-        cause = error.strerror if isinstance(error, OSError) and error.strerror else error
-        return CheckpointError(
-            f"could not write checkpoint {step:04d} ({type(error).__name__}: {cause}); "
-            f"the previous checkpoint (step {self.latest_step()}) is intact"
-        )
+    @contextlib.contextmanager
+    def _removed_on_failure(self, tmp: Path, step: int) -> Iterator[None]:
+        """Remove `tmp` if the block fails, and turn the failure into one clear `CheckpointError`.
+
+        Writers report a full disk in their own types (safetensors: SafetensorError, torch.save:
+        RuntimeError), not only OSError. Interrupts (KeyboardInterrupt, CancelledError) are not
+        failures and propagate as they are.
+        """
+        try:
+            yield
+        except BaseException as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(error, Exception):
+                raise
+            cause = error.strerror if isinstance(error, OSError) and error.strerror else error
+            raise CheckpointError(
+                f"could not write checkpoint {step:04d} ({type(error).__name__}: {cause}); "
+                f"the previous checkpoint (step {self.latest_step()}) is intact"
+            ) from error
 
     def delete_checkpoints(self, steps: Iterable[int]) -> list[int]:
         deleted = []

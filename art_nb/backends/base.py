@@ -16,7 +16,7 @@ from ..trajectory import Trajectory, TrajectoryGroup
 if TYPE_CHECKING:
     from ..model import Model, TrainableModel
 
-__all__ = ["Backend", "TrainResult", "InferenceEndpoint", "ProgressCallback"]
+__all__ = ["Backend", "TrainResult", "InferenceEndpoint", "ProgressCallback", "checkpoint_written"]
 
 ProgressCallback = Callable[[dict[str, Any]], None]
 """Receives train-progress events: {"phase": "train", "done": k, "total": n, ...}."""
@@ -71,3 +71,14 @@ class Backend(Protocol):
     ) -> list[int]: ...
 
     async def close(self) -> None: ...
+
+
+async def checkpoint_written(backend: Any, model: TrainableModel) -> None:
+    """Wait until `backend` has the served step's checkpoint on disk, for callers about to read it.
+
+    `LocalBackend` finishes a step's checkpoint in the background (`wait_for_checkpoint`); the
+    other backends have theirs complete when `train` returns.
+    """
+    wait = getattr(backend, "wait_for_checkpoint", None)
+    if wait is not None:
+        await wait(model)

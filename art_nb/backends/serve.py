@@ -52,6 +52,7 @@ from ..config import ModelConfig, TrainConfig
 from ..model import TrainableModel
 from ..secrets import Secret, find_secret
 from ._http import VERSION_HEADER, group_from_wire, trajectory_from_wire, version_mismatch
+from .base import checkpoint_written
 
 if TYPE_CHECKING:
     from .local import LocalBackend
@@ -113,13 +114,6 @@ class _Guard:
                     await _HTTPError(409, problem, "version_mismatch").response()(scope, receive, send)
                     return
         await self.app(scope, receive, send)
-
-
-async def _checkpoint_written(backend: Any, model: TrainableModel) -> None:
-    """LocalBackend finishes the newest checkpoint in the background: wait for it before listing or serving files."""
-    wait = getattr(backend, "wait_for_checkpoint", None)
-    if wait is not None:
-        await wait(model)
 
 
 def _checkpoint_steps(backend: Any, model: TrainableModel) -> list[int]:
@@ -248,7 +242,7 @@ class _Service:
 
     async def checkpoints(self, request: Request) -> JSONResponse:
         model = self.model(request)
-        await _checkpoint_written(self.backend, model)
+        await checkpoint_written(self.backend, model)
         return JSONResponse({"steps": _checkpoint_steps(self.backend, model),
                              "step": await self.backend.get_step(model)})
 
@@ -261,7 +255,7 @@ class _Service:
 
     async def _checkpoint(self, request: Request) -> Path:
         model = self.model(request)
-        await _checkpoint_written(self.backend, model)
+        await checkpoint_written(self.backend, model)
         step = int(request.path_params["step"])
         if step not in _checkpoint_steps(self.backend, model):
             raise _HTTPError(404, f"model {model.name!r} has no checkpoint {step}", "checkpoint_not_found")

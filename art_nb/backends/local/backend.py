@@ -233,10 +233,12 @@ class _Runtime:
         state = self.state(model)
         async with state.train_lock:
             started = time.perf_counter()
-            settled = await self.settle(state)  # the previous step's checkpoint, finished in the background
-            if state.commit_seconds is not None:  # reported with the step after (0 s waited if settled already)
-                settled["time/commit_previous"], state.commit_seconds = state.commit_seconds, None
-                settled.setdefault("time/commit_wait", 0.0)
+            await self.settle(state)  # the previous step's checkpoint, finished in the background
+            settled: dict[str, float] = {}
+            if state.commit_seconds is not None:  # reported with the step after it
+                settled = {"time/commit_previous": state.commit_seconds,
+                           "time/commit_wait": time.perf_counter() - started}
+                state.commit_seconds = None
             step = state.step
             # Nothing lost: the trajectories are on disk before any weight changes.
             records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
@@ -364,16 +366,14 @@ class _Runtime:
         task.add_done_callback(report)
         return task
 
-    async def settle(self, state: _ModelState) -> dict[str, float]:
+    async def settle(self, state: _ModelState) -> None:
         """Wait for the checkpoint being finished in the background; on failure, roll back and raise.
 
-        Returns how long this waited for it (0 when the rollouts since took longer than the commit,
-        the usual case); how long the commit took is kept in `state.commit_seconds`.
+        How long the commit took is kept in `state.commit_seconds` for the next step's metrics.
         """
         task = state.commit
         if task is None:
-            return {}
-        mark = time.perf_counter()
+            return
         try:
             seconds = await asyncio.shield(task)  # an interrupted wait leaves the commit running
         except Exception as error:
@@ -385,7 +385,6 @@ class _Runtime:
             raise CheckpointError(f"could not write checkpoint {state.step + 1:04d} ({error!r})") from error
         if state.commit is task:
             state.commit, state.commit_seconds = None, seconds
-        return {"time/commit_wait": time.perf_counter() - mark}
 
     async def _roll_back(self, state: _ModelState) -> None:
         """Put trainer and served adapter back on the newest complete checkpoint (a commit failed)."""
