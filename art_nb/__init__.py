@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .backends.base import Backend, TrainResult
+from ._version import __version__
+from .backends.base import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
 from .gather import (
     DatasetBatch,
@@ -21,13 +22,12 @@ from .gather import (
 )
 from .model import Model, TrainableModel
 from .trajectory import Trajectory, TrajectoryGroup
+from .types import TrainResult
 
 if TYPE_CHECKING:
     from .backends.local import LocalBackend
     from .backends.remote import RemoteBackend
     from .backends.serverless import ServerlessBackend
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Backend",

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from .config import ModelConfig, TrainConfig
-from .store import check_name
 from .trajectory import Trajectory, TrajectoryGroup
+from .types import check_name
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-    from .backends.base import Backend, ProgressCallback, TrainResult
+    from .backends.base import Backend
+    from .types import ProgressCallback, TrainResult
 
 __all__ = ["Model", "TrainableModel"]
 

@@ -29,9 +29,25 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelStore", "check_name", "CheckpointError"]
+from .types import check_name
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+__all__ = [
+    "ADAPTER_FILES",
+    "CheckpointError",
+    "HISTORY_FILE",
+    "META_FILE",
+    "ModelStore",
+    "TRAINER_STATE",
+    "check_name",
+    "checkpoint_steps",
+    "model_dir",
+    "read_jsonl",
+]
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what an engine serves (PEFT's format)
+TRAINER_STATE = "trainer_state.pt"  # optimizer + RNG state, loaded with weights_only=True
+META_FILE = "meta.json"
+HISTORY_FILE = "history.jsonl"
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _TMP_PREFIX = ".tmp-"
 
@@ -40,14 +56,29 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (the previous one is intact) or read."""
 
 
-def check_name(kind: str, value: str) -> str:
-    """Reject names that could escape the model directory or confuse the step suffix."""
-    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
-        raise ValueError(
-            f"{kind} {value!r} is not allowed: use letters, digits, '.', '_' or '-' "
-            "(at most 128, starting with a letter or digit, no '..', no '/', no '@')"
-        )
-    return value
+def model_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
+    """Where a model's run lives under `root`, without creating or opening anything."""
+    return Path(root).expanduser().resolve() / check_name("project", project) / "models" / check_name("name", name)
+
+
+def checkpoint_steps(checkpoints: Path) -> list[int]:
+    """Steps with a complete checkpoint under a `checkpoints/` directory, ascending ([] if it is missing)."""
+    if not checkpoints.is_dir():
+        return []
+    return sorted(int(p.name) for p in checkpoints.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log; a line cut short by a crash is skipped, a missing file is []."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a crash mid-write
+            continue
+    return records
 
 
 def _fsync_dir(path: Path) -> None:
@@ -65,7 +96,7 @@ class ModelStore:
     """Checkpoints, history and trajectories of one model, under one directory."""
 
     def __init__(self, root: str | os.PathLike[str], project: str, name: str) -> None:
-        self.dir = Path(root).expanduser().resolve() / check_name("project", project) / "models" / check_name("name", name)
+        self.dir = model_dir(root, project, name)
         self.checkpoints = self.dir / "checkpoints"
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
@@ -78,7 +109,7 @@ class ModelStore:
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
-        return sorted(int(p.name) for p in self.checkpoints.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+        return checkpoint_steps(self.checkpoints)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -114,7 +145,7 @@ class ModelStore:
         with self._removed_on_failure(tmp, step):
             if staged is not None:
                 write(tmp)
-            (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time(), **(meta or {})}))
+            (tmp / META_FILE).write_text(json.dumps({"step": step, "time": time.time(), **(meta or {})}))
             for file in tmp.iterdir():
                 with open(file, "rb") as handle:
                     os.fsync(handle.fileno())
@@ -174,22 +205,16 @@ class ModelStore:
             os.fsync(handle.fileno())
 
     def append_history(self, record: dict[str, Any]) -> None:
-        self._append_lines(self.dir / "history.jsonl", [record])
+        self._append_lines(self.dir / HISTORY_FILE, [record])
 
     def read_history(self) -> list[dict[str, Any]]:
-        path = self.dir / "history.jsonl"
-        if not path.exists():
-            return []
-        records = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash mid-write
-                continue
-        return records
+        return read_jsonl(self.dir / HISTORY_FILE)
+
+    def trajectory_file(self, split: str, step: int) -> Path:
+        return self.dir / "trajectories" / check_name("split", split) / f"{step:04d}.jsonl"
 
     def append_trajectories(self, split: str, step: int, records: Iterable[dict[str, Any]]) -> Path:
-        path = self.dir / "trajectories" / check_name("split", split) / f"{step:04d}.jsonl"
+        path = self.trajectory_file(split, step)
         self._append_lines(path, records)
         return path
 

@@ -1,56 +1,44 @@
-"""The `Backend` protocol: everything a model handle asks of whatever serves and trains it.
+"""The `Backend` protocol: everything a model handle, the notebook views and `art-nb serve` ask of
+whatever serves and trains a model.
 
 `LocalBackend` (in this kernel), `RemoteBackend` (a GPU server over HTTP) and `ServerlessBackend`
-(a hosted API) implement the same methods, so a notebook swaps one object and nothing else.
+(a hosted API) implement every method here, so a notebook swaps one object and nothing else, and
+no caller needs to probe a backend for what it can do. The protocol is typed on `ModelRef` (in
+`types.py`), not on `Model`, so this module does not import the model handle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from ..config import TrainConfig
 from ..trajectory import Trajectory, TrajectoryGroup
+from ..types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 
-if TYPE_CHECKING:
-    from ..model import Model, TrainableModel
-
-__all__ = ["Backend", "TrainResult", "InferenceEndpoint", "ProgressCallback", "checkpoint_written"]
-
-ProgressCallback = Callable[[dict[str, Any]], None]
-"""Receives train-progress events: {"phase": "train", "done": k, "total": n, ...}."""
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What one `train` call did: the step now served, and the step's metrics."""
-
-    step: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class InferenceEndpoint:
-    base_url: str
-    api_key: str = field(repr=False)
+__all__ = ["Backend", "InferenceEndpoint", "ProgressCallback", "TrainResult"]
 
 
 @runtime_checkable
 class Backend(Protocol):
-    async def register(self, model: Model) -> None:
+    async def register(self, model: ModelRef) -> None:
         """Make `model` servable (and trainable). Idempotent: a second call reuses what runs."""
         ...
 
-    def inference_endpoint(self, model: Model) -> InferenceEndpoint: ...
+    def choices(self, model: ModelRef) -> dict[str, str]:
+        """What was chosen automatically for `model` (engine, trainer, dtype...) and why; {} if nothing."""
+        ...
 
-    def inference_model_name(self, model: Model, step: int | None = None) -> str: ...
+    def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint: ...
 
-    async def get_step(self, model: TrainableModel) -> int: ...
+    def inference_model_name(self, model: ModelRef, step: int | None = None) -> str: ...
+
+    async def get_step(self, model: TrainableModelRef) -> int: ...
 
     async def train(
         self,
-        model: TrainableModel,
+        model: TrainableModelRef,
         groups: Iterable[TrajectoryGroup],
         config: TrainConfig | None = None,
         *,
@@ -59,26 +47,26 @@ class Backend(Protocol):
 
     async def log(
         self,
-        model: Model,
+        model: ModelRef,
         trajectories: Iterable[TrajectoryGroup | Trajectory],
         split: str = "val",
         step: int | None = None,
         metrics: dict[str, float] | None = None,
     ) -> dict[str, float]: ...
 
+    async def wait_for_checkpoint(self, model: TrainableModelRef) -> int:
+        """Wait until the served step's checkpoint is complete, and return that step.
+
+        A backend whose checkpoints are complete when `train` returns answers at once.
+        """
+        ...
+
+    def model_dir(self, model: ModelRef) -> Path:
+        """The directory on this machine that holds the model's run records (history, trajectories)."""
+        ...
+
     async def delete_checkpoints(
-        self, model: TrainableModel, steps: Iterable[int] | None = None, keep_last: int = 1
+        self, model: TrainableModelRef, steps: Iterable[int] | None = None, keep_last: int = 1
     ) -> list[int]: ...
 
     async def close(self) -> None: ...
-
-
-async def checkpoint_written(backend: Any, model: TrainableModel) -> None:
-    """Wait until `backend` has the served step's checkpoint on disk, for callers about to read it.
-
-    `LocalBackend` finishes a step's checkpoint in the background (`wait_for_checkpoint`); the
-    other backends have theirs complete when `train` returns.
-    """
-    wait = getattr(backend, "wait_for_checkpoint", None)
-    if wait is not None:
-        await wait(model)

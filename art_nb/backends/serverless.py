@@ -315,7 +315,7 @@ class ServerlessBackend:
 
     async def train(self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig | None = None,
                     *, on_progress: ProgressCallback | None = None) -> TrainResult:
-        from .local.records import summarize, trajectory_record
+        from ..records import summarize, trajectory_record
 
         groups = list(groups)
         if any(not isinstance(g, TrajectoryGroup) or g.pending for g in groups):
@@ -395,7 +395,7 @@ class ServerlessBackend:
 
     async def log(self, model: Model, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
-        from .local.records import summarize, trajectory_record
+        from ..records import summarize, trajectory_record
 
         groups = [t if isinstance(t, TrajectoryGroup) else TrajectoryGroup([t]) for t in trajectories]
         step = await self._latest_step(model) if step is None else step

@@ -7,9 +7,10 @@ a rollout. Adapters are addressed by name ("{model}@{step}"); `None` means the b
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 __all__ = [
     "Engine",
@@ -20,6 +21,8 @@ __all__ = [
     "GenerationRequest",
     "Sample",
 ]
+
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -71,12 +74,31 @@ class Sample:
 class Engine(Protocol):
     """An async inference engine. Every method is called from the backend's event loop.
 
-    Optional attributes the backend reads with a default: `train_awake` (bool, default False: the
-    backend calls `sleep` before a train step unless it is True) and `dead_reason` (str | None).
+    The engine owns its memory choreography around a train step (`train_with`): whether to sleep,
+    and what to do when training runs out of memory beside it. The backend only asks.
     """
 
     tokenizer: Any  # a transformers PreTrainedTokenizerBase with a chat template
     max_context: int  # prompt + completion tokens the engine accepts
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (closed, crashed, stalled), or None while it serves.
+
+        A dead engine is replaced when its model is registered again.
+        """
+        ...
+
+    async def train_with(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Run one train step, `step()`, with this engine's memory arranged for training.
+
+        The engine frees what its plan says training needs (e.g. vLLM sleeps unless training fits
+        beside it) and is awake again when this returns or raises. A callable rather than a context
+        manager because the engine may run `step` a second time: after an out-of-memory error
+        beside an awake engine it sleeps and retries (exact, since the trainer raised before its
+        optimizer stepped), and sleeps for every later step.
+        """
+        ...
 
     async def generate(self, request: GenerationRequest) -> list[Sample]:
         """`request.params.n` samples for one prompt. Concurrent calls should share batches."""

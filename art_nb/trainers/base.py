@@ -2,7 +2,8 @@
 
 Trainers are synchronous and run in a worker thread; the backend owns the ordering (pause
 inference, train, save, swap adapter, resume). A trainer never decides where files go: it is
-handed a directory to fill.
+handed a directory to fill. Nor does it decide its device or dtype: it is built from the model's
+`Plan` (backends/local/plan.py), the one owner of automatic choices.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..config import TrainConfig
 from ..trajectory import TrajectoryGroup
+from ..types import ProgressCallback
 
-__all__ = ["Trainer", "ADAPTER_FILES", "TRAINER_STATE"]
-
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-TRAINER_STATE = "trainer_state.pt"
+__all__ = ["Trainer"]
 
 
 @runtime_checkable
@@ -25,8 +24,15 @@ class Trainer(Protocol):
     tokenizer: Any
     name: str  # "peft" or "unsloth", shown to the user
 
-    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any = None) -> dict[str, float]:
-        """One GRPO update. Returns metrics; `skipped_nonfinite` = 1 when the update was discarded."""
+    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig,
+                   should_stop: Callable[[], bool] | None = None,
+                   on_progress: ProgressCallback | None = None) -> dict[str, float]:
+        """One GRPO update. Returns metrics; `skipped_nonfinite` = 1 when the update was discarded.
+
+        `should_stop()` is polled between microbatches (True abandons the step before the optimizer
+        steps); `on_progress` gets {"phase": "train", "done": k, "total": n} after each microbatch,
+        from the trainer's thread.
+        """
         ...
 
     def save(self, directory: Path) -> None:

@@ -31,7 +31,7 @@ from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
 from ..store import CheckpointError
 from ..trajectory import TrajectoryGroup
-from .base import TRAINER_STATE
+from ..store import TRAINER_STATE
 
 __all__ = ["PeftTrainer", "pick_dtype"]
 

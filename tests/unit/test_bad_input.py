@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import art_nb as art
-from art_nb.backends.local.records import summarize, trajectory_record
+from art_nb.records import summarize, trajectory_record
 from art_nb.grpo.advantages import prepare_batch
 from art_nb.store import ModelStore, check_name
 from art_nb.trajectory import check_groups

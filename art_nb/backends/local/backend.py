@@ -39,7 +39,7 @@ from ...store import CheckpointError, ModelStore
 from ...trajectory import Trajectory, TrajectoryGroup, check_groups
 from ..base import InferenceEndpoint, ProgressCallback, TrainResult
 from .loop import BackgroundLoop
-from .records import summarize, trajectory_record
+from ...records import summarize, trajectory_record
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
@@ -188,13 +188,13 @@ class _Runtime:
 
     async def _load(self, model: TrainableModel) -> _ModelState:
         from ...models import resolve_base_model
-        from .choose import choose_engine, choose_trainer
+        from .plan import plan_for
 
         store = ModelStore(self.path, model.project, model.name)
         resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
-        choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})"}
-        engine_kind, choices["engine"] = choose_engine(model.config)
-        trainer_kind, choices["trainer"] = choose_trainer(model.config)
+        plan = plan_for(model.config)
+        engine_kind, trainer_kind = plan.engine, plan.trainer
+        choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
         for key, why in choices.items():
             _log.info("%s: %s", key, why)
 

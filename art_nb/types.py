@@ -1,0 +1,76 @@
+"""Data shared by the model handle and every backend, below both so neither imports the other.
+
+`ModelRef` is what a backend needs to know of a model: the backend protocol is typed on it, not on
+`Model`, so `backend.py` never imports `model.py` (and `model.py` never imports a backend).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+__all__ = [
+    "InferenceEndpoint",
+    "ModelRef",
+    "ProgressCallback",
+    "TrainResult",
+    "TrainableModelRef",
+    "check_name",
+    "inference_name",
+]
+
+ProgressCallback = Callable[[dict[str, Any]], None]
+"""Receives train-progress events: {"phase": "train", "done": k, "total": n, ...}."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one `train` call did: the step now served, and the step's metrics."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InferenceEndpoint:
+    base_url: str
+    api_key: str = field(repr=False)
+
+
+class ModelRef(Protocol):
+    """A model as a backend sees it (`art_nb.Model` is one)."""
+
+    name: str
+    project: str
+
+    @property
+    def trainable(self) -> bool: ...
+
+
+class TrainableModelRef(ModelRef, Protocol):
+    """A trainable model as a backend sees it (`art_nb.TrainableModel` is one)."""
+
+    base_model: str
+    config: ModelConfig
+
+
+def check_name(kind: str, value: str) -> str:
+    """Reject names that could escape the model directory or confuse the step suffix."""
+    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+        raise ValueError(
+            f"{kind} {value!r} is not allowed: use letters, digits, '.', '_' or '-' "
+            "(at most 128, starting with a letter or digit, no '..', no '/', no '@')"
+        )
+    return value
+
+
+def inference_name(name: str, step: int | None = None) -> str:
+    """The name a model is served under: `name` for the newest weights, `name@step` for a checkpoint."""
+    return name if step is None else f"{name}@{step}"
