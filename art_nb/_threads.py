@@ -52,7 +52,7 @@ def choose_cpu_threads(requested: int | None = None) -> tuple[int, str]:
 
 def usable_cores() -> tuple[int, str]:
     """Cores this process may actually run on: CPU affinity, narrowed by a cgroup CPU quota if any."""
-    if hasattr(os, "sched_getaffinity"):
+    if hasattr(os, "sched_getaffinity"):  # third-party: Linux only (not on macOS)
         cores, where = len(os.sched_getaffinity(0)), "CPU affinity"
     else:
         cores, where = os.cpu_count() or 1, "os.cpu_count"

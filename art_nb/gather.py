@@ -11,6 +11,7 @@ import functools
 import inspect
 import random
 import traceback
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -183,13 +184,13 @@ def retry(
 
 def limit_concurrency(n: int) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
     """At most `n` calls of the decorated async function run at once (per event loop)."""
-    semaphores: dict[int, asyncio.Semaphore] = {}
+    # Keyed by the loop object, weakly: a closed loop's semaphore goes with it (an id can be reused).
+    semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 
     def decorate(func: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         @functools.wraps(func)
         async def wrapper(*args: Any, **kwargs: Any) -> T:
-            loop = id(asyncio.get_running_loop())
-            semaphore = semaphores.setdefault(loop, asyncio.Semaphore(n))
+            semaphore = semaphores.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(n))
             async with semaphore:
                 return await func(*args, **kwargs)
 

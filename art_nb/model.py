@@ -8,8 +8,9 @@ touches the backend is async, for top-level `await` in notebooks and `asyncio.ru
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -23,7 +24,13 @@ if TYPE_CHECKING:
     from .backends.base import Backend
     from .types import ProgressCallback, TrainResult
 
-__all__ = ["Model", "TrainableModel"]
+__all__ = ["HandoffTarget", "Model", "TrainableModel"]
+
+
+class HandoffTarget(Protocol):
+    """A backend that can continue a model's training from a checkpoint of another backend (serverless)."""
+
+    async def handoff(self, model: TrainableModel, *, source: Backend | None = None, **kwargs: Any) -> int: ...
 
 
 class Model(BaseModel):
@@ -41,7 +48,11 @@ class Model(BaseModel):
     inference_model_name: str | None = None
 
     _backend: Backend | None = PrivateAttr(default=None)
-    _clients: dict[int, AsyncOpenAI] = PrivateAttr(default_factory=dict)
+    # One client per event loop (a client binds to the loop it first ran on); weak, so a closed loop's
+    # client goes with it and a new loop never inherits it.
+    _clients: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], AsyncOpenAI]] = PrivateAttr(
+        default_factory=weakref.WeakKeyDictionary)
+    _sync_clients: dict[tuple[Any, ...], AsyncOpenAI] = PrivateAttr(default_factory=dict)
 
     @field_validator("name", "project")
     @classmethod
@@ -63,6 +74,7 @@ class Model(BaseModel):
         await backend.register(self)
         if self._backend is not backend:
             self._clients.clear()
+            self._sync_clients.clear()
         self._backend = backend
 
     def get_inference_name(self, step: int | None = None) -> str:
@@ -85,27 +97,29 @@ class Model(BaseModel):
                 f"model {self.name!r} has no endpoint: register it with a backend or set inference_base_url"
             )
         try:
-            loop_id = id(asyncio.get_running_loop())
-        except RuntimeError:
-            loop_id = 0
-        key = hash((loop_id, base_url, tuple(sorted(kwargs.items()))))
-        client = self._clients.get(key)
+            clients = self._clients.setdefault(asyncio.get_running_loop(), {})
+        except RuntimeError:  # built outside a loop (e.g. to inspect it): not bound to one yet
+            clients = self._sync_clients
+        key = (base_url, repr(sorted(kwargs.items())))
+        client = clients.get(key)
         if client is None:
             kwargs.setdefault("timeout", 600.0)
             # Requests wait (never fail) while a step trains; retries only cover a dropped connection.
             kwargs.setdefault("max_retries", 2)
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
-            self._clients[key] = client
+            clients[key] = client
         return client
 
     async def log(
         self,
-        trajectories: Iterable[TrajectoryGroup | Trajectory],
+        trajectories: Iterable[TrajectoryGroup | Trajectory] = (),
         split: str = "val",
         metrics: dict[str, float] | None = None,
+        *,
+        step: int | None = None,
     ) -> dict[str, float]:
-        """Record trajectories (and their reward metrics) for `split` at the current step."""
-        return await self.backend.log(self, list(trajectories), split=split, metrics=metrics)
+        """Record trajectories (and their reward metrics, plus `metrics`) for `split` at `step` (default: the current one)."""
+        return await self.backend.log(self, list(trajectories), split=split, step=step, metrics=metrics)
 
 
 class TrainableModel(Model):
@@ -132,14 +146,12 @@ class TrainableModel(Model):
         """One GRPO step on `groups`; the next request to `get_inference_name()` sees the new weights."""
         return await self.backend.train(self, list(groups), config or TrainConfig(), on_progress=on_progress)
 
-    async def handoff(self, backend: Backend, **kwargs: Any) -> int:
+    async def handoff(self, backend: HandoffTarget, **kwargs: Any) -> int:
         """Continue training on `backend` (a ServerlessBackend) from this model's latest local LoRA.
 
         Returns the step the hosted model starts from. docs/remote.md lists what leaves the machine.
         """
-        from .backends.serverless import handoff
-
-        return await handoff(self, backend, **kwargs)  # type: ignore[arg-type]
+        return await backend.handoff(self, source=self._backend, **kwargs)
 
     async def delete_checkpoints(self, steps: Iterable[int] | None = None, keep_last: int = 1) -> list[int]:
         """Delete `steps`, or every checkpoint but the newest `keep_last`. The served step is always kept."""

@@ -186,7 +186,7 @@ def _convert(gguf: Path, dest: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The weights are plain float32 after loading; the leftover quantizer only blocks saving.
         model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
+        if hasattr(model.config, "quantization_config"):  # third-party: set by the GGUF loader
             del model.config.quantization_config
         model.save_pretrained(tmp)
 

@@ -25,7 +25,7 @@ from typing import Any
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message", "check_groups"]
+__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message", "check_groups", "gathered_groups"]
 
 MessageOrChoice = dict[str, Any] | Choice
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -174,6 +174,24 @@ class TrajectoryGroup(BaseModel):
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)
+
+
+def gathered_groups(groups: Iterable[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """The groups `train` was given, checked the same way by every backend before anything is sent or written.
+
+    Raises TypeError for something that is not a TrajectoryGroup, ValueError for a group with
+    rollouts never awaited or a trajectory changed in place into something invalid.
+    """
+    groups = list(groups)
+    for i, group in enumerate(groups):
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"groups[{i}] is a {type(group).__name__}; train takes gathered TrajectoryGroups "
+                            "(await art.gather_trajectory_groups(...) first)")
+        if group.pending:
+            raise ValueError(f"groups[{i}] has rollouts that were never awaited: gather them first "
+                             "(await art.gather_trajectory_groups(...))")
+    check_groups(groups)
+    return groups
 
 
 def check_groups(groups: Iterable[TrajectoryGroup]) -> None:

@@ -1,0 +1,84 @@
+"""The second half of a step's checkpoint, finished in the background while the next rollouts run.
+
+A train step stages the adapter (the engine serves it at once) and snapshots optimizer state; the
+rest (optimizer state written, meta, fsync, rename into place) runs in a thread here. Whoever next
+needs the checkpoint on disk (`train`, `wait_for_checkpoint`, `close`, interpreter exit) settles
+it: waits, and on failure puts trainer and served adapter back on the newest complete checkpoint
+so memory, disk and what is served agree, then raises `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...store import CheckpointError
+from .state import ModelState
+
+if TYPE_CHECKING:
+    from ...server import InferenceGate
+
+__all__ = ["settle", "start_commit"]
+
+_log = logging.getLogger("art_nb")
+
+
+def start_commit(state: ModelState, step: int, staged: Path, write_state: Callable[[Path], None]) -> asyncio.Future[float]:
+    """Finish checkpoint `step` (optimizer state, meta, fsync, rename) in a thread, off the step's path."""
+
+    def commit() -> float:
+        mark = time.perf_counter()
+        state.store.write_checkpoint(step, write_state, {"base_model": state.base_model}, staged=staged)
+        return time.perf_counter() - mark
+
+    task = asyncio.ensure_future(asyncio.to_thread(commit))
+
+    def report(done: asyncio.Future[float]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            _log.error("%s; the next train() puts the trainer back on that checkpoint and raises", done.exception())
+
+    task.add_done_callback(report)
+    return task
+
+
+async def settle(state: ModelState, gate: InferenceGate) -> None:
+    """Wait for the checkpoint being finished in the background; on failure, roll back and raise.
+
+    How long the commit took is kept in `state.commit_seconds` for the next step's metrics.
+    """
+    task = state.commit
+    if task is None:
+        return
+    try:
+        seconds = await asyncio.shield(task)  # an interrupted wait leaves the commit running
+    except Exception as error:
+        if state.commit is task:  # the first waiter to see the failure rolls back
+            state.commit = None
+            await _roll_back(state, gate)
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(f"could not write checkpoint {state.step + 1:04d} ({error!r})") from error
+    if state.commit is task:
+        state.commit, state.commit_seconds = None, seconds
+
+
+async def _roll_back(state: ModelState, gate: InferenceGate) -> None:
+    """Put trainer and served adapter back on the newest complete checkpoint (a commit failed)."""
+    failed, good = state.step, state.store.latest_step() or 0
+    await gate.pause()
+    try:
+        await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(good))
+        state.step = good
+        await state.engine.wake()
+        if good > 0 and good not in state.loaded_adapters:
+            await state.engine.load_adapter(state.adapter_name(good), state.store.checkpoint_dir(good))
+            state.loaded_adapters.add(good)
+        if failed != good and failed in state.loaded_adapters:
+            await state.engine.unload_adapter(state.adapter_name(failed))
+            state.loaded_adapters.discard(failed)
+    finally:
+        gate.resume()

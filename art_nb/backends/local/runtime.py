@@ -1,0 +1,275 @@
+"""The in-process backend's runtime: one per `path` in this process, living on its own event loop.
+
+It owns the loopback OpenAI server and the gate that holds requests during a step, one engine per
+base model (shared by the models on it), and the per-model state (store, trainer, served step). It
+is also the registry the server resolves model names through. A train step is in step.py, the
+background half of a checkpoint in commit.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...config import ModelConfig, TrainConfig
+from ...records import as_groups, record_groups
+from ...store import CheckpointError, ModelStore
+from ...trajectory import Trajectory, TrajectoryGroup
+from ...types import ModelRef, ProgressCallback, TrainableModelRef, TrainResult
+from ...web import is_loopback
+from . import step as train_step
+from .commit import settle
+from .loop import BackgroundLoop
+from .state import ModelState
+
+if TYPE_CHECKING:
+    from ...engines.base import Engine
+    from ...server import InferenceGate, RunningServer, ServedModel
+    from ...trainers.base import Trainer
+    from .plan import Plan
+
+__all__ = ["Runtime", "runtime_for"]
+
+_log = logging.getLogger("art_nb")
+_RUNTIMES: dict[tuple[Path, str, int], Runtime] = {}
+
+
+def runtime_for(path: Path, host: str, port: int, api_key: str | None) -> Runtime:
+    """The runtime for (path, host, port), made on first use: re-running a notebook cell reuses the engine."""
+    key = (path, host, port)
+    runtime = _RUNTIMES.get(key)
+    if runtime is None:
+        if not _RUNTIMES:
+            atexit.register(_finish_checkpoints)
+        runtime = _RUNTIMES[key] = Runtime(path, host, port, api_key)
+    return runtime
+
+
+def forget(runtime: Runtime) -> None:
+    _RUNTIMES.pop((runtime.path, runtime.host, runtime.port), None)
+
+
+class Runtime:
+    """Everything that lives on the backend loop for one `path`."""
+
+    def __init__(self, path: Path, host: str, port: int, api_key: str | None) -> None:
+        self.path, self.host, self.port = path, host, port
+        if api_key is None and not is_loopback(host):
+            raise ValueError(f"binding the inference server to {host!r} needs an api_key (loopback does not)")
+        # Loopback still gets a random key: other local users cannot drive our engine by accident.
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.loop = BackgroundLoop()
+        self.models: dict[tuple[str, str], ModelState] = {}  # (project, name)
+        self.engines: dict[tuple[str, str], Engine] = {}  # (base model path, engine kind)
+        self.server: RunningServer | None = None
+        self.gate: InferenceGate | None = None
+        self.base_url = ""
+
+    # ---- the loopback server and the registry it resolves names through ---------------------
+
+    async def ensure_server(self) -> InferenceGate:
+        if self.server is None or self.gate is None:
+            from ...server import InferenceGate, create_app, start_server
+
+            self.gate = InferenceGate()
+            app = create_app(self, self.gate, api_key=self.api_key)
+            self.server = await start_server(app, host=self.host, port=self.port)
+            self.base_url = self.server.base_url
+            _log.info("inference endpoint: %s", self.base_url)
+        return self.gate
+
+    async def resolve(self, model_name: str) -> ServedModel:
+        from ...server import ServedModel
+
+        name, _, step_text = model_name.partition("@")
+        state = next((s for s in self.models.values() if s.model_name == name), None)
+        if state is None or (step_text and not step_text.isdigit()):
+            raise KeyError(model_name)
+        step = int(step_text) if step_text else state.step
+        if step == 0:  # a fresh LoRA is the identity: step 0 is the base weights
+            return ServedModel(engine=state.engine, adapter=None, name=state.adapter_name(0))
+        if step not in state.loaded_adapters:
+            if step not in state.store.steps():
+                raise KeyError(model_name)
+            await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step))
+            state.loaded_adapters.add(step)
+        return ServedModel(engine=state.engine, adapter=state.adapter_name(step), name=state.adapter_name(step))
+
+    def list_models(self) -> list[str]:
+        names = []
+        for state in self.models.values():
+            names.append(state.model_name)
+            names.extend(state.adapter_name(s) for s in sorted(set(state.store.steps()) | state.loaded_adapters))
+        return names
+
+    # ---- models -------------------------------------------------------------------------------
+
+    def state(self, model: ModelRef) -> ModelState:
+        state = self.models.get((model.project, model.name))
+        if state is None:
+            raise RuntimeError(f"model {model.name!r} (project {model.project!r}) is not registered with this backend")
+        return state
+
+    async def register(self, model: TrainableModelRef) -> dict[str, str]:
+        await self.ensure_server()
+        state = self.models.get((model.project, model.name))
+        if state is not None:
+            if state.base_model != model.base_model or state.config != model.config:
+                raise ValueError(
+                    f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
+                    "different config; use a new name, or restart the kernel to change it"
+                )
+            if state.engine.dead_reason is not None:
+                await self._replace_engine(state)
+            return state.choices
+        clash = next((s for s in self.models.values() if s.model_name == model.name), None)
+        if clash is not None:  # the endpoint serves models by name
+            raise ValueError(f"a model named {model.name!r} is already registered here for project "
+                             f"{clash.project!r}; served names must be unique per backend: pick another name")
+        state = await self._load(model)
+        self.models[(model.project, model.name)] = state
+        return state.choices
+
+    async def _replace_engine(self, state: ModelState) -> None:
+        """Start a new engine in place of a dead one (for every model it served) and load the latest adapter."""
+        async with state.train_lock:
+            dead = state.engine
+            reason = dead.dead_reason
+            if reason is None:  # another register replaced it while we waited
+                return
+            with contextlib.suppress(CheckpointError):  # logged when it failed; rolled back by settle
+                await settle(state, await self.ensure_server())
+            _log.warning("engine for %s is dead (%s); starting a new one", state.model_name, reason)
+            key = next(k for k, engine in self.engines.items() if engine is dead)
+            with contextlib.suppress(Exception):
+                await dead.close()
+            engine = await _create_engine(state.plan, Path(key[0]), state.config)
+            self.engines[key] = engine
+            for other in self.models.values():
+                if other.engine is dead:
+                    other.engine = engine
+                    other.loaded_adapters.clear()  # the others load theirs on their next request
+            state.choices["engine_restart"] = f"the previous engine died ({reason}); a new one was started"
+            if state.step > 0:
+                await engine.load_adapter(state.adapter_name(state.step), state.store.checkpoint_dir(state.step))
+                state.loaded_adapters.add(state.step)
+
+    async def _load(self, model: TrainableModelRef) -> ModelState:
+        from ...models import resolve_base_model
+        from .plan import plan_for
+
+        store = ModelStore(self.path, model.project, model.name)
+        resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
+        plan = plan_for(model.config)
+        choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
+        for key, why in choices.items():
+            _log.info("%s: %s", key, why)
+
+        engine_key = (str(resolved.path), plan.engine)
+        engine = self.engines.get(engine_key)
+        if engine is None:
+            engine = await _create_engine(plan, resolved.path, model.config)
+            self.engines[engine_key] = engine
+        trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.config)
+
+        step = store.latest_step()
+        if step is None:  # a new model: its fresh LoRA is checkpoint 0, so resume always has a start
+            step = 0
+            await asyncio.to_thread(store.write_checkpoint, 0, trainer.save, {"base_model": model.base_model})
+        else:
+            await asyncio.to_thread(trainer.load, store.checkpoint_dir(step))
+            choices["resume"] = f"resumed at step {step} from {store.checkpoint_dir(step)} (optimizer state included)"
+            _log.info("resume: %s", choices["resume"])
+        state = ModelState(model.name, model.project, model.base_model, model.config, plan, store, engine, trainer,
+                           step, choices)
+        if step > 0:
+            await engine.load_adapter(state.adapter_name(step), store.checkpoint_dir(step))
+            state.loaded_adapters.add(step)
+        return state
+
+    # ---- what the backend facade forwards -------------------------------------------------------
+
+    async def train(self, model: TrainableModelRef, groups: list[TrajectoryGroup], config: TrainConfig,
+                    on_progress: ProgressCallback | None) -> TrainResult:
+        return await train_step.train(self.state(model), await self.ensure_server(), groups, config, on_progress)
+
+    async def settle(self, model: TrainableModelRef) -> int:
+        state = self.state(model)
+        await settle(state, await self.ensure_server())
+        return state.step
+
+    async def log(self, model: ModelRef, items: list[TrajectoryGroup | Trajectory], split: str, step: int | None,
+                  metrics: dict[str, float] | None) -> dict[str, float]:
+        state = self.state(model)
+        step = state.step if step is None else step
+        return await asyncio.to_thread(record_groups, state.store, state.model_name, split, step, as_groups(items),
+                                       metrics)
+
+    async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None,
+                                 keep_last: int) -> list[int]:
+        state = self.state(model)
+        existing = state.store.steps()
+        targets = set(steps) if steps is not None else set(existing[: max(0, len(existing) - max(keep_last, 1))])
+        targets.discard(state.step)
+        await settle(state, await self.ensure_server())
+        for step in targets & state.loaded_adapters:
+            await state.engine.unload_adapter(state.adapter_name(step))
+            state.loaded_adapters.discard(step)
+        return await asyncio.to_thread(state.store.delete_checkpoints, sorted(targets))
+
+    async def close(self) -> None:
+        if self.gate is not None:
+            for state in self.models.values():
+                try:
+                    await settle(state, self.gate)
+                except CheckpointError as error:  # already rolled back and logged; closing goes on
+                    _log.error("%s", error)
+        for engine in self.engines.values():
+            await engine.close()
+        self.engines.clear()
+        self.models.clear()
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+
+
+def _finish_checkpoints() -> None:
+    """Wait for checkpoints still being finished in the background; runs at interpreter exit.
+
+    The backend loop is a daemon thread: without this, a script that ends right after its last
+    `train` would report a checkpoint failure nowhere (the write itself is joined with the thread pool).
+    """
+    for runtime in list(_RUNTIMES.values()):
+        for state in list(runtime.models.values()):
+            if state.commit is None or runtime.gate is None:
+                continue
+            try:
+                runtime.loop.run_sync(settle(state, runtime.gate), timeout=600)
+            except Exception as error:  # noqa: BLE001 - at exit, the log is all there is
+                _log.error("checkpoint of %s at exit: %s", state.model_name, error)
+
+
+async def _create_engine(plan: Plan, path: Path, config: ModelConfig) -> Engine:
+    if plan.engine == "vllm":
+        from ...engines.vllm import VLLMEngine
+
+        return await VLLMEngine.create(path, config, plan)
+    from ...engines.hf import HFEngine
+
+    return await HFEngine.create(path, config, plan)
+
+
+def _create_trainer(plan: Plan, path: Path, config: ModelConfig) -> Trainer:
+    if plan.trainer == "unsloth":
+        from ...trainers.unsloth import UnslothTrainer
+
+        return UnslothTrainer(path, config, plan)
+    from ...trainers.peft import PeftTrainer
+
+    return PeftTrainer(path, config, plan)

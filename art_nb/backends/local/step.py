@@ -1,0 +1,158 @@
+"""One train step in the in-process backend, start to finish.
+
+The choreography, in order: settle the previous checkpoint; record the rollouts (nothing lost: on
+disk before any weight changes); hold new requests (they wait, never fail); let the engine arrange
+its memory and run the trainer (`Engine.train_with`: sleeping, out-of-memory fallback and waking
+are the engine's business); stage the new adapter and serve it; finish the checkpoint in the
+background; let requests through. What happens when things go wrong is in backend.py's docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ... import events
+from ...config import TrainConfig
+from ...records import record_groups, record_metrics
+from ...trajectory import TrajectoryGroup
+from ...types import ProgressCallback, TrainResult
+from .commit import settle, start_commit
+from .state import ModelState, StepControl, TrainingStoppedError
+
+if TYPE_CHECKING:
+    from ...server import InferenceGate
+
+__all__ = ["train"]
+
+_log = logging.getLogger("art_nb")
+
+
+async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryGroup], config: TrainConfig,
+                on_progress: ProgressCallback | None) -> TrainResult:
+    """One GRPO step on `groups`; returns once the new adapter is served (its checkpoint finishes later)."""
+    async with state.train_lock:
+        started = time.perf_counter()
+        await settle(state, gate)  # the previous step's checkpoint, finished in the background
+        settled: dict[str, float] = {}
+        if state.commit_seconds is not None:  # reported with the step after it
+            settled = {"time/commit_previous": state.commit_seconds, "time/commit_wait": time.perf_counter() - started}
+            state.commit_seconds = None
+        await asyncio.to_thread(record_groups, state.store, state.model_name, "train", state.step, groups)
+        control = StepControl()
+        update = asyncio.ensure_future(
+            _update(state, gate, groups, config, control, _guarded(on_progress), settled, started))
+        try:
+            result = await asyncio.shield(update)
+        except asyncio.CancelledError:
+            # Interrupted. Not training yet (e.g. waiting for requests to drain): just cancel.
+            # Training: ask the trainer to stop; it abandons the step unless the optimizer has
+            # already stepped, in which case the step is saved. Hold the lock until it settles.
+            control.stop.set()
+            if not control.training:
+                update.cancel()
+            while not update.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({update})
+            if not update.cancelled() and update.exception() is not None:
+                _log.error("the interrupted train step failed: %r", update.exception())
+            raise
+        assert result is not None  # only an interrupted step is abandoned
+        return result
+
+
+async def _update(state: ModelState, gate: InferenceGate, groups: list[TrajectoryGroup], config: TrainConfig,
+                  control: StepControl, on_progress: ProgressCallback | None,
+                  timings: dict[str, float], started: float) -> TrainResult | None:
+    """Hold requests, take the step, stage its checkpoint, serve it, and start finishing the checkpoint
+    in the background. None when `control.stop` abandoned the step."""
+    step, new_step = state.step, state.step + 1
+    mark = time.perf_counter()
+    await gate.pause()
+    try:
+        timings["time/pause"] = time.perf_counter() - mark
+        events.emit("train_started", model=state.model_name, step=step, groups=len(groups))
+        mark = time.perf_counter()
+        control.training = True  # from here on only the trainer can abandon the step
+        metrics = await state.engine.train_with(lambda: asyncio.to_thread(
+            state.trainer.train_step, groups, config, control.stop.is_set, on_progress))
+        timings["time/train"] = time.perf_counter() - mark
+        if metrics.get("stopped"):
+            _log.warning("step %d interrupted before the optimizer stepped: abandoned, nothing saved", step)
+            return None
+        if metrics.get("nonfinite_weights"):  # the update itself went bad: back to the last good weights
+            await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+        _count_nonfinite(state, metrics, config)
+        mark = time.perf_counter()
+        try:
+            staged, write_state = await asyncio.to_thread(_stage, state, new_step)
+        except Exception:
+            # The update exists only in memory: go back to the last checkpoint so the trainer,
+            # the disk and the served adapter agree; the next step starts from there.
+            await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+            raise
+        state.step = new_step  # served from the staged adapter now; on disk once the commit lands
+        timings["time/save"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        try:
+            await _serve(state, new_step, staged)
+        finally:  # only now: the engine has read the staged files, and the commit renames them
+            state.commit = start_commit(state, new_step, staged, write_state)
+        timings["time/swap"] = time.perf_counter() - mark
+    finally:
+        gate.resume()
+    timings["time/step_total"] = time.perf_counter() - started
+    metrics = {**metrics, **timings}
+    # The update made from step `step`'s rollouts; its weights are served as `new_step`.
+    await asyncio.to_thread(record_metrics, state.store, "train", step, metrics)
+    events.emit("train_finished", model=state.model_name, step=new_step, metrics=metrics,
+                checkpoint=str(state.store.checkpoint_dir(new_step)))
+    return TrainResult(step=new_step, metrics=metrics)
+
+
+def _stage(state: ModelState, step: int) -> tuple[Path, Any]:
+    """Copy the trainer state to CPU, write the adapter into a staged directory (both quick)."""
+    write_state = state.trainer.snapshot_state()
+    return state.store.stage_checkpoint(step, state.trainer.save_adapter), write_state
+
+
+async def _serve(state: ModelState, step: int, adapter_dir: Path) -> None:
+    """Serve `step`'s adapter and drop the older ones from the engine (their files stay on disk)."""
+    await state.engine.load_adapter(state.adapter_name(step), adapter_dir)
+    state.loaded_adapters.add(step)
+    for old in sorted(state.loaded_adapters - {step}):
+        await state.engine.unload_adapter(state.adapter_name(old))
+        state.loaded_adapters.discard(old)
+
+
+def _count_nonfinite(state: ModelState, metrics: dict[str, float], config: TrainConfig) -> None:
+    if metrics.get("skipped_nonfinite"):
+        state.nonfinite_in_row += 1
+        _log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                     state.step, state.nonfinite_in_row)
+        if state.nonfinite_in_row >= config.max_nonfinite_steps:
+            raise TrainingStoppedError(
+                f"{state.nonfinite_in_row} consecutive updates were non-finite; training stopped. The last "
+                f"good checkpoint is step {state.step} at {state.store.checkpoint_dir(state.step)}"
+            )
+    else:
+        state.nonfinite_in_row = 0
+    metrics["nonfinite_in_row"] = float(state.nonfinite_in_row)
+
+
+def _guarded(on_progress: ProgressCallback | None) -> ProgressCallback | None:
+    """The caller's progress callback, called from the trainer's thread; its failure never fails the step."""
+    if on_progress is None:
+        return None
+
+    def call(event: dict[str, Any]) -> None:
+        try:
+            on_progress(event)
+        except Exception:  # noqa: BLE001 - a broken progress view must not stop training
+            _log.exception("on_progress callback failed")
+
+    return call
