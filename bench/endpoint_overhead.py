@@ -65,8 +65,7 @@ async def run(args: argparse.Namespace, results: Results) -> None:
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
     await model.register(backend)
     results.data["choices"] = backend.choices(model)
-    runtime = backend._runtime
-    engine = runtime.models[model.name].engine
+    engine = backend._state(model).engine
     tokenizer = engine.tokenizer
     text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # what the server renders
@@ -79,7 +78,7 @@ async def run(args: argparse.Namespace, results: Results) -> None:
         return endpoint_run(model, n, args.tokens)
 
     def direct(n: int) -> Any:
-        return runtime.loop.run(direct_run(engine, prompt_ids, n, args.tokens))  # on the engine's loop
+        return backend.loop.run(direct_run(engine, prompt_ids, n, args.tokens))  # on the engine's loop
 
     for n in args.concurrency:
         with results.section(f"concurrency_{n}") as entry:

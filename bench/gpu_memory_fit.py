@@ -154,7 +154,7 @@ async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> No
         with watch("register"):
             await model.register(backend)
         entry.update(seconds=round(time.perf_counter() - started, 1), choices=backend.choices(model),
-                     engine_reasons=getattr(backend._runtime.models[model.name].engine, "reasons", []))
+                     engine_reasons=getattr(backend._state(model).engine, "reasons", []))
         memory = _memory(phases["register"])
         entry.update(memory)
         entry["summary"] = f"registered in {entry['seconds']} s; peak used {memory.get('peak_used_gib')} GiB"

@@ -123,7 +123,7 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     await model.register(backend)
     result["register_s"] = round(time.perf_counter() - started, 1)
     result["choices"] = backend.choices(model)
-    engine = backend._runtime.models[model.name].engine
+    engine = backend._state(model).engine
     result["engine_reasons"] = getattr(engine, "reasons", [])
     if cuda():
         result["memory_after_register"] = gpu_memory()

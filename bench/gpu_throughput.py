@@ -267,7 +267,8 @@ def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     result: dict[str, Any] = {}
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [prompt_ids(tokenizer, m) for m in rollout_prompts(max(args.batch_sizes))]
-    kwargs, reasons = engine_args(args.model, model_config(args, "vllm"), on_cuda(), enforce_eager=not args.cuda_graphs)
+    setup = engine_args(args.model, model_config(args, "vllm"), on_cuda(), enforce_eager=not args.cuda_graphs)
+    kwargs, reasons = setup.kwargs, setup.reasons
     result.update(engine_kwargs=kwargs, reasons=reasons)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process, as art_nb runs it
     started = time.perf_counter()
@@ -322,8 +323,7 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
     await model.register(backend)
     result["register_s"] = round(time.perf_counter() - started, 1)
     result["choices"] = backend.choices(model)
-    runtime = backend._runtime
-    engine = runtime.models[model.name].engine
+    engine = backend._state(model).engine
     result["engine_reasons"] = getattr(engine, "reasons", [])
     if on_cuda():
         result["memory_after_register"] = gpu_memory()
@@ -381,7 +381,7 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         return seconds, tokens, steps
 
     async def on_engine_loop(mode: Any, batch: int) -> Run:
-        return await runtime.loop.run(mode(batch))
+        return await backend.loop.run(mode(batch))
 
     modes: dict[str, Any] = {"endpoint": via_endpoint,
                              "engine_direct": lambda b: on_engine_loop(direct, b)}

@@ -83,7 +83,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await model.register(backend)
     results["register_s"] = round(time.perf_counter() - started, 1)
     results["choices"] = backend.choices(model)
-    results["engine_reasons"] = getattr(backend._runtime.state(model).engine, "reasons", [])
+    results["engine_reasons"] = getattr(backend._state(model).engine, "reasons", [])
     results["memory_after_register"] = gpu_memory()
 
     mark = time.perf_counter()
@@ -125,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results["environment"] = environment()
     results["total_s"] = round(time.perf_counter() - started, 1)
 
-    results["history"] = backend._runtime.state(model).store.read_history()
+    results["history"] = backend._state(model).store.read_history()
     results["reward_curve"] = draw(results, args.out)
     (args.out / "tictactoe.json").write_text(json.dumps(results, indent=1, default=str))
     await backend.close()

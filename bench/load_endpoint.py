@@ -158,7 +158,7 @@ async def run_load(config: LoadConfig, scratch: Path) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         await model.register(backend)
-        engine = backend._runtime.models["load"].engine
+        engine = backend._state(model).engine
         warm = Recorder()
         train_groups = await wave(model, LoadConfig(**{**asdict(config), "rollouts": config.train_groups * GROUP_SIZE,
                                                        "turns": 1}), warm, offset=10**6)

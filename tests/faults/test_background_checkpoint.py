@@ -47,7 +47,7 @@ async def fresh(tiny_model_dir: Path, tmp_path: Path):
     backend = art.LocalBackend(path=tmp_path / "art")
     model = tiny_trainable("background", tiny_model_dir)
     await model.register(backend)
-    yield backend, model, backend._runtime.models["background"]
+    yield backend, model, backend._state(model)
     await backend.close()
 
 

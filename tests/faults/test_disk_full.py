@@ -37,7 +37,7 @@ async def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     backend = art.LocalBackend(path=tmp_path_factory.mktemp("disk"))
     model = tiny_trainable("disk-full", tiny_model_dir)
     await model.register(backend)
-    yield backend, model, backend._runtime.models["disk-full"]
+    yield backend, model, backend._state(model)
     await backend.close()
 
 

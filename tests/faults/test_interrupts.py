@@ -51,7 +51,7 @@ async def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     backend = art.LocalBackend(path=tmp_path_factory.mktemp("interrupts"))
     model = tiny_trainable("interrupts", tiny_model_dir)
     await model.register(backend)
-    yield backend, model, backend._runtime.models["interrupts"]
+    yield backend, model, backend._state(model)
     await backend.close()
 
 

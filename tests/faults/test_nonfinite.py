@@ -28,7 +28,7 @@ async def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     backend = art.LocalBackend(path=tmp_path_factory.mktemp("nonfinite"))
     model = tiny_trainable("nonfinite", tiny_model_dir)
     await model.register(backend)
-    yield backend, model, backend._runtime.models["nonfinite"]
+    yield backend, model, backend._state(model)
     await backend.close()
 
 

@@ -281,7 +281,7 @@ async def train_run(run_dir: Path, model_dir: Path) -> None:
     model = make_model(model_dir)
     await model.register(backend)
     start = await model.get_step()
-    pending = backend._runtime.models[MODEL_NAME].trainer._pending_optimizer_state
+    pending = backend._state(model).trainer._pending_optimizer_state
     event("resumed", step=start, optimizer_tensors=0 if pending is None else len(pending["state"]))
     hit("resumed")
     batches = art.iterate_dataset(SCENARIOS, groups_per_step=GROUPS_PER_STEP, initial_step=start, seed=7,
@@ -348,7 +348,7 @@ async def disk_full_run(run_dir: Path, model_dir: Path) -> None:
         error = str(exc)
     for name, write in writers.items():
         setattr(ModelStore, name, write)
-    state = backend._runtime.models[MODEL_NAME]
+    state = backend._state(model)
     event("disk_full", error=error, step=await model.get_step(), trainer_matches_checkpoint=trainer_matches(state))
     result = await model.train(await gather(1), config=config)  # space is back: the next step works
     event("after_disk_full", step=result.step, tokens_trained=result.metrics.get("tokens_trained", 0.0))
@@ -384,7 +384,7 @@ def sigint_run(run_dir: Path, model_dir: Path) -> None:
     backend = art.LocalBackend(path=run_dir / "art")
     model = make_model(model_dir)
     asyncio.run(model.register(backend))
-    state = backend._runtime.models[MODEL_NAME]
+    state = backend._state(model)
 
     def cell(name: str, coro_fn: Any) -> None:
         """Run one cell; record how it ended and what the backend looks like afterwards."""
@@ -488,7 +488,7 @@ def child(command: dict[str, Any]) -> None:
     except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
         traceback.print_exc()
     finally:
-        from art_nb.backends.local.backend import finish_checkpoints
+        from art_nb.backends.local.runtime import finish_checkpoints
 
         finish_checkpoints()  # what interpreter exit would run (os._exit skips it)
         sys.stdout.flush()
@@ -515,7 +515,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["run"] and len(sys.argv) >= 5:
         run({"scenario": sys.argv[2], "run_dir": sys.argv[3], "model_dir": sys.argv[4],
              "kill": sys.argv[5] if len(sys.argv) > 5 else None})
-        from art_nb.backends.local.backend import finish_checkpoints
+        from art_nb.backends.local.runtime import finish_checkpoints
 
         finish_checkpoints()  # what interpreter exit would run
         os._exit(0)  # the backend's threads are daemons; do not wait for them

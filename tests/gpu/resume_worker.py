@@ -20,9 +20,9 @@ async def main(path: str, model_dir: str, prompt_ids: list[int]) -> dict:
     backend = art.LocalBackend(path=path)
     model = make_model(Path(model_dir))
     await model.register(backend)
-    state = backend._runtime.state(model)
+    state = backend._state(model)
     request = GenerationRequest(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0), adapter=f"{NAME}@1")
-    [sample] = await backend._runtime.loop.run(state.engine.generate(request))
+    [sample] = await backend.loop.run(state.engine.generate(request))
     result = {
         "step": await model.get_step(),
         "resume": backend.choices(model).get("resume", ""),

@@ -71,12 +71,12 @@ def stack(model_dir, tmp_path_factory):
 
 
 def runtime_state(backend: art.LocalBackend):
-    return backend._runtime.models[NAME]
+    return backend._state(art.Model(name=NAME, project="gpu"))
 
 
 async def on_backend(backend: art.LocalBackend, coro):
     """Run an engine coroutine on the backend's loop, where the engine lives."""
-    return await backend._runtime.loop.run(coro)
+    return await backend.loop.run(coro)
 
 
 async def greedy_ids(backend: art.LocalBackend, prompt_ids: list[int], adapter: str | None,

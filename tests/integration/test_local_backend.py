@@ -92,10 +92,10 @@ async def test_two_steps_change_adapter_and_served_model_and_requests_during_tra
 
 async def test_register_is_idempotent(trained):
     backend, model, _ = trained
-    engine = backend._runtime.models["m1"].engine
+    engine = backend._state(model).engine
     again = make_model("m1")
     await again.register(art.LocalBackend(path=backend.path))  # a re-run cell: a new backend object
-    assert backend._runtime.models["m1"].engine is engine
+    assert backend._state(model).engine is engine
     assert await again.get_step() == await model.get_step()
 
 
@@ -117,7 +117,7 @@ RESUME = textwrap.dedent('''
             config=art.ModelConfig(max_seq_len=512, lora=art.LoraConfig(rank=8, alpha=32)))
         backend = art.LocalBackend(path=sys.argv[1])
         await model.register(backend)
-        trainer = backend._runtime.models["m1"].trainer
+        trainer = backend._state(model).trainer
         state = trainer._pending_optimizer_state
         print("STEP", await model.get_step(), "OPTSTATE", 0 if state is None else len(state["state"]))
         print("CHOICE", backend.choices(model).get("resume", ""))

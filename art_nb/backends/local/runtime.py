@@ -46,7 +46,7 @@ def runtime_for(path: Path, host: str, port: int, api_key: str | None) -> Runtim
     runtime = _RUNTIMES.get(key)
     if runtime is None:
         if not _RUNTIMES:
-            atexit.register(_finish_checkpoints)
+            atexit.register(finish_checkpoints)
         runtime = _RUNTIMES[key] = Runtime(path, host, port, api_key)
     return runtime
 
@@ -239,7 +239,7 @@ class Runtime:
             self.server = None
 
 
-def _finish_checkpoints() -> None:
+def finish_checkpoints() -> None:
     """Wait for checkpoints still being finished in the background; runs at interpreter exit.
 
     The backend loop is a daemon thread: without this, a script that ends right after its last
