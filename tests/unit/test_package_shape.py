@@ -100,6 +100,31 @@ def test_the_model_handle_imports_no_backend_and_the_protocol_no_model() -> None
     assert "art_nb.store" not in graph["art_nb.model"]
 
 
+# docs/design.md's layers, by module prefix (the longest prefix wins).
+LAYERS = {
+    "art_nb._version": 0, "art_nb.types": 0, "art_nb.config": 0, "art_nb.events": 0, "art_nb.secrets": 0,
+    "art_nb.trajectory": 0, "art_nb.store": 0, "art_nb.records": 0, "art_nb.gather": 0, "art_nb.grpo": 0,
+    "art_nb.backends.base": 1, "art_nb.model": 1,
+    "art_nb.engines": 2, "art_nb.trainers": 2, "art_nb.server": 2, "art_nb.toolcalls": 2, "art_nb.web": 2,
+    "art_nb.memory": 2, "art_nb.versions": 2, "art_nb.models": 2, "art_nb._threads": 2, "art_nb.plan": 2,
+    "art_nb.backends": 3,
+    "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.export": 4, "art_nb.demo": 4,
+    "art_nb.cli": 4,
+}
+
+
+def layer(module: str) -> int:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def test_imports_point_down_the_layers() -> None:
+    graph = import_graph()
+    upward = sorted(f"{m} ({layer(m)}) -> {t} ({layer(t)})" for m, targets in graph.items() for t in targets
+                    if layer(t) > layer(m) and not t.startswith(m + ".") and not m.endswith("__init__"))
+    assert not upward, "imports that point up the layers of docs/design.md: " + "; ".join(upward)
+
+
 def test_no_module_is_over_the_size_limit() -> None:
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     too_big = {name: n for name, n in sizes.items() if n > MAX_LINES}
