@@ -23,15 +23,24 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from .. import events
+from .._version import __version__
 from ..config import TrainConfig
 from ..secrets import Secret, find_secret
-from ..store import ModelStore
-from ..trajectory import Trajectory, TrajectoryGroup
+from ..store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, model_dir
+from ..trajectory import Trajectory, TrajectoryGroup, gathered_groups
+from ..types import (
+    InferenceEndpoint,
+    ModelRef,
+    ProgressCallback,
+    TrainableModelRef,
+    TrainResult,
+    inference_name,
+)
 from ._http import (
     VERSION_HEADER,
     LoopClients,
@@ -41,21 +50,14 @@ from ._http import (
     trajectory_to_wire,
     version_mismatch,
 )
-from .base import InferenceEndpoint, ProgressCallback, TrainResult
 
-if TYPE_CHECKING:
-    from ..model import Model, TrainableModel
-
-__all__ = ["RemoteBackend", "RemoteBackendError", "RemoteTrainingError", "API_KEY_ENV"]
+__all__ = ["API_KEY_ENV", "RemoteBackend", "RemoteBackendError", "RemoteTrainingError"]
 
 API_KEY_ENV = "ART_NB_API_KEY"
-_ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "meta.json")
-_OPTIMIZER_FILES = ("trainer_state.pt",)
 
 
 def _client_version() -> str:
-    from .. import __version__
-
+    """This package's version, as sent to the server (a function, so a test can play another version)."""
     return __version__
 
 
@@ -138,7 +140,7 @@ class RemoteBackend:
 
     # ---- the Backend protocol ----------------------------------------------------------------
 
-    async def register(self, model: Model) -> None:
+    async def register(self, model: ModelRef) -> None:
         if not model.trainable:
             raise TypeError("RemoteBackend serves TrainableModels; for another endpoint use "
                             "Model(inference_base_url=...)")
@@ -146,7 +148,7 @@ class RemoteBackend:
         problem = version_mismatch(_client_version(), str(health.get("version", "?")))
         if problem:
             raise RemoteBackendError(problem)
-        trainable: TrainableModel = model  # type: ignore[assignment]
+        trainable: TrainableModelRef = model  # type: ignore[assignment]
         body = {"name": trainable.name, "project": trainable.project, "base_model": trainable.base_model,
                 "config": trainable.config.model_dump(mode="json")}
         # Loading a model can take minutes on the server: no read timeout for this one.
@@ -154,28 +156,23 @@ class RemoteBackend:
                                  timeout=httpx.Timeout(self.timeout, read=None))
         self._choices[model.name] = dict(reply.get("choices") or {})
 
-    def choices(self, model: Model) -> dict[str, str]:
+    def choices(self, model: ModelRef) -> dict[str, str]:
         """What the server chose automatically for `model` (engine, trainer, resume...) and why."""
         return dict(self._choices.get(model.name, {}))
 
-    def inference_endpoint(self, model: Model) -> InferenceEndpoint:
+    def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint:
         return InferenceEndpoint(base_url=f"{self.base_url}/v1",
                                  api_key=self._key.reveal() if self._key is not None else "none")
 
-    def inference_model_name(self, model: Model, step: int | None = None) -> str:
-        return model.name if step is None else f"{model.name}@{step}"
+    def inference_model_name(self, model: ModelRef, step: int | None = None) -> str:
+        return inference_name(model.name, step)
 
-    async def get_step(self, model: TrainableModel) -> int:
+    async def get_step(self, model: TrainableModelRef) -> int:
         return int((await self._call("GET", f"/api/models/{model.name}/step", "get_step"))["step"])
 
-    async def train(self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig | None = None,
-                    *, on_progress: ProgressCallback | None = None) -> TrainResult:
-        groups = list(groups)
-        for i, group in enumerate(groups):
-            if not isinstance(group, TrajectoryGroup):
-                raise TypeError(f"groups[{i}] is a {type(group).__name__}; train takes gathered TrajectoryGroups")
-            if group.pending:
-                raise ValueError(f"groups[{i}] has rollouts that were never awaited: gather them first")
+    async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup],
+                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+        groups = gathered_groups(groups)  # checked here, before anything is sent
         body = {"groups": [group_to_wire(g) for g in groups],
                 "config": (config or TrainConfig()).model_dump(mode="json")}
         what = f"train of {model.name!r}"
@@ -198,7 +195,7 @@ class RemoteBackend:
                 "mid-step; re-run `await model.register(backend)` and continue from `await model.get_step()`")
         return result
 
-    def _on_stream_item(self, model: TrainableModel, item: dict[str, Any],
+    def _on_stream_item(self, model: TrainableModelRef, item: dict[str, Any],
                         on_progress: ProgressCallback | None) -> TrainResult | None:
         kind = item.get("type")
         if kind == "event":
@@ -218,7 +215,7 @@ class RemoteBackend:
             return TrainResult(step=int(item["step"]), metrics=dict(item.get("metrics") or {}))
         return None
 
-    async def log(self, model: Model, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
+    async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
         items = [{"group": group_to_wire(t)} if isinstance(t, TrajectoryGroup)
                  else {"trajectory": trajectory_to_wire(t)} for t in trajectories]
@@ -230,18 +227,29 @@ class RemoteBackend:
                     remote=self.base_url)
         return summary
 
-    async def delete_checkpoints(self, model: TrainableModel, steps: Iterable[int] | None = None,
+    async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None = None,
                                  keep_last: int = 1) -> list[int]:
         body = {"steps": None if steps is None else list(steps), "keep_last": keep_last}
         reply = await self._call("POST", f"/api/models/{model.name}/checkpoints/delete", "delete_checkpoints",
                                  json=body)
         return [int(s) for s in reply["deleted"]]
 
-    async def list_checkpoints(self, model: TrainableModel) -> list[int]:
-        """Steps with a checkpoint on the server, ascending."""
-        return [int(s) for s in (await self._call("GET", f"/api/models/{model.name}/checkpoints", "list"))["steps"]]
+    async def wait_for_checkpoint(self, model: TrainableModelRef) -> int:
+        """The served step, once the server has finished writing its checkpoint (it answers when it has)."""
+        return int((await self._checkpoints(model))["step"])
 
-    async def download_checkpoint(self, model: TrainableModel, step: int | None = None,
+    def model_dir(self, model: ModelRef) -> Path:
+        """Where this client keeps the model's files (downloaded checkpoints), in the store's layout."""
+        return model_dir(self.path, model.project, model.name)
+
+    async def list_checkpoints(self, model: TrainableModelRef) -> list[int]:
+        """Steps with a checkpoint on the server, ascending."""
+        return [int(s) for s in (await self._checkpoints(model))["steps"]]
+
+    async def _checkpoints(self, model: TrainableModelRef) -> dict[str, Any]:
+        return await self._call("GET", f"/api/models/{model.name}/checkpoints", "list of checkpoints")
+
+    async def download_checkpoint(self, model: TrainableModelRef, step: int | None = None,
                                   dest: str | os.PathLike[str] | None = None, *,
                                   include_optimizer: bool = False) -> Path:
         """Copy a checkpoint's LoRA adapter (and optionally optimizer state) to this machine.
@@ -253,10 +261,12 @@ class RemoteBackend:
         step = await self.get_step(model) if step is None else step
         route = f"/api/models/{model.name}/checkpoints/{step}/files"
         listing = (await self._call("GET", route, f"download of step {step}"))["files"]
-        wanted = _ADAPTER_FILES + (_OPTIMIZER_FILES if include_optimizer else ())
+        wanted = {*ADAPTER_FILES, META_FILE, *((TRAINER_STATE,) if include_optimizer else ())}
         chosen = [f for f in listing if f["name"] in wanted]
-        if not any(f["name"] == "adapter_model.safetensors" for f in chosen):
-            raise RemoteBackendError(f"checkpoint {step} of {model.name!r} on {self.base_url} has no adapter file")
+        missing = sorted(set(ADAPTER_FILES) - {f["name"] for f in chosen})
+        if missing:
+            raise RemoteBackendError(f"checkpoint {step} of {model.name!r} on {self.base_url} lacks {missing}: "
+                                     "it is not a complete adapter; download another step")
         staging = Path(tempfile.mkdtemp(prefix=".download-", dir=self._staging_root(model, dest)))
         try:
             for entry in chosen:
@@ -265,7 +275,7 @@ class RemoteBackend:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _staging_root(self, model: TrainableModel, dest: str | os.PathLike[str] | None) -> Path:
+    def _staging_root(self, model: TrainableModelRef, dest: str | os.PathLike[str] | None) -> Path:
         root = Path(dest).expanduser().resolve().parent if dest is not None else self.path
         root.mkdir(parents=True, exist_ok=True)
         return root
@@ -286,14 +296,14 @@ class RemoteBackend:
         if digest.hexdigest() != entry["sha256"]:
             raise RemoteBackendError(f"{entry['name']} arrived corrupted (sha256 differs from the server's); retry")
 
-    def _place(self, model: TrainableModel, step: int, staging: Path, dest: str | os.PathLike[str] | None) -> Path:
+    def _place(self, model: TrainableModelRef, step: int, staging: Path, dest: str | os.PathLike[str] | None) -> Path:
         if dest is not None:
             final = Path(dest).expanduser().resolve()
             if final.exists():
                 raise FileExistsError(f"{final} exists; choose another destination or remove it")
             staging.rename(final)
             return final
-        meta_path = staging / "meta.json"
+        meta_path = staging / META_FILE
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         meta.pop("step", None)
         meta.pop("time", None)
@@ -301,7 +311,7 @@ class RemoteBackend:
 
         def write(directory: Path) -> None:
             for file in staging.iterdir():
-                if file.name != "meta.json":
+                if file.name != META_FILE:
                     shutil.copy2(file, directory / file.name)
 
         return store.write_checkpoint(step, write, {**meta, "downloaded_from": self.base_url})

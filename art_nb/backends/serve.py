@@ -21,23 +21,23 @@ away, so a client that lost its connection finds the new step with `get_step` af
 Auth: with a token, every route (the OpenAI ones too) needs `Authorization: Bearer <token>`,
 compared in constant time; a server bound to anything but loopback always has one (generated and
 printed once when not given). `/api/*` requests must carry the client's version (major.minor equal).
+Errors, auth and the loopback rule are the in-kernel endpoint's own (`art_nb.web`), so both answer
+in one shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -48,79 +48,50 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import events
+from .._version import __version__
 from ..config import ModelConfig, TrainConfig
 from ..model import TrainableModel
 from ..secrets import Secret, find_secret
+from ..store import checkpoint_steps
+from ..types import TrainableModelRef
+from ..web import ApiError, BearerAuth, error_handlers, is_loopback
 from ._http import VERSION_HEADER, group_from_wire, trajectory_from_wire, version_mismatch
-from .base import checkpoint_written
+from .base import Backend
 
 if TYPE_CHECKING:
+    from ..server import RunningServer
     from .local import LocalBackend
 
-__all__ = ["create_serve_app", "serve", "is_loopback", "TOKEN_ENV"]
+__all__ = ["TOKEN_ENV", "ServedBackend", "create_serve_app", "is_loopback", "serve"]
 
 TOKEN_ENV = "ART_NB_SERVE_TOKEN"
 HEARTBEAT_S = 5.0
-_STEP_DIR = re.compile(r"^\d{4,}$")
+_TOKEN_HINT = "send 'Authorization: Bearer <token>' (the token `art-nb serve` printed at start)"
 _log = logging.getLogger("art_nb")
 
 
-def _server_version() -> str:
-    from .. import __version__
+class ServedBackend(Backend, Protocol):
+    """What the routes ask of the backend beyond `Backend`: where a step's checkpoint files are."""
 
-    return __version__
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    def checkpoint_dir(self, model: TrainableModelRef, step: int | None = None) -> Path: ...
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str = "bad_request") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+class _RequireVersion:
+    """On /api/*, the client's version header must agree with ours on major.minor (the wire format
+    may change between minor releases); /v1/* is OpenAI's format and needs none."""
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.code, "code": self.code}},
-                            status_code=self.status)
-
-
-class _Guard:
-    """Bearer auth on every request (when a token is set), then the version rule on /api/*."""
-
-    def __init__(self, app: ASGIApp, token: Secret | None) -> None:
-        self.app, self.token = app, token
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope["headers"])
-            if self.token is not None:
-                given = headers.get(b"authorization", b"")
-                if not (given.startswith(b"Bearer ") and self.token.matches(given[len(b"Bearer "):])):
-                    error = _HTTPError(401, "missing or wrong token: send 'Authorization: Bearer <token>' (the "
-                                            "token `art-nb serve` printed at start)", "invalid_api_key")
-                    await error.response()(scope, receive, send)
-                    return
-            if scope["path"].startswith("/api/"):
-                client = headers.get(VERSION_HEADER.lower().encode(), b"").decode("latin-1")
-                problem = (f"send the {VERSION_HEADER} header (RemoteBackend does)" if not client
-                           else version_mismatch(client, _server_version()))
-                if problem:
-                    await _HTTPError(409, problem, "version_mismatch").response()(scope, receive, send)
-                    return
+        if scope["type"] == "http" and scope["path"].startswith("/api/"):
+            client = dict(scope["headers"]).get(VERSION_HEADER.lower().encode(), b"").decode("latin-1")
+            problem = (f"send the {VERSION_HEADER} header (RemoteBackend does)" if not client
+                       else version_mismatch(client, __version__))
+            if problem:
+                await ApiError(409, problem, "version_mismatch").response()(scope, receive, send)
+                return
         await self.app(scope, receive, send)
-
-
-def _checkpoint_steps(backend: Any, model: TrainableModel) -> list[int]:
-    checkpoints = Path(backend.checkpoint_dir(model, 0)).parent
-    if not checkpoints.is_dir():
-        return []
-    return sorted(int(p.name) for p in checkpoints.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
@@ -136,9 +107,9 @@ def _line(item: dict[str, Any]) -> bytes:
 
 
 class _Service:
-    """The route handlers, over a backend with LocalBackend's methods."""
+    """The route handlers, over a `ServedBackend`; models are known by name once registered here."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: ServedBackend) -> None:
         self.backend = backend
         self.models: dict[str, TrainableModel] = {}
         self.running: set[asyncio.Task[Any]] = set()  # train tasks outlive their requests
@@ -147,12 +118,12 @@ class _Service:
         name = request.path_params["name"]
         model = self.models.get(name)
         if model is None:
-            raise _HTTPError(404, f"model {name!r} is not registered on this server (it may have restarted): "
-                                  "re-run `await model.register(backend)`", "model_not_registered")
+            raise ApiError(404, f"model {name!r} is not registered on this server (it may have restarted): "
+                                "re-run `await model.register(backend)`", "model_not_registered")
         return model
 
     async def health(self, request: Request) -> JSONResponse:
-        return JSONResponse({"server": "art-nb", "version": _server_version(), "models": sorted(self.models)})
+        return JSONResponse({"server": "art-nb", "version": __version__, "models": sorted(self.models)})
 
     async def register(self, request: Request) -> JSONResponse:
         body = await _json(request)
@@ -161,14 +132,13 @@ class _Service:
                                    base_model=body.get("base_model"),
                                    config=ModelConfig.model_validate(body.get("config") or {}))
         except ValidationError as exc:
-            raise _HTTPError(400, f"invalid model: {exc}") from exc
+            raise ApiError(400, f"invalid model: {exc}") from exc
         try:
             await self.backend.register(model)
         except ValueError as exc:  # same name, different base model or config
-            raise _HTTPError(409, str(exc), "conflict") from exc
+            raise ApiError(409, str(exc), "conflict") from exc
         self.models[model.name] = model
-        choices = self.backend.choices(model) if hasattr(self.backend, "choices") else {}
-        return JSONResponse({"step": await self.backend.get_step(model), "choices": choices})
+        return JSONResponse({"step": await self.backend.get_step(model), "choices": self.backend.choices(model)})
 
     async def step(self, request: Request) -> JSONResponse:
         return JSONResponse({"step": await self.backend.get_step(self.model(request))})
@@ -180,11 +150,11 @@ class _Service:
             groups = [group_from_wire(g) for g in body.get("groups") or []]
             config = TrainConfig.model_validate(body.get("config") or {})
         except (ValidationError, ValueError, TypeError) as exc:
-            raise _HTTPError(400, f"invalid train request: {exc}") from exc
+            raise ApiError(400, f"invalid train request: {exc}") from exc
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-        def put(item: dict[str, Any]) -> None:  # events may come from the trainer's thread
+        def put(item: dict[str, Any]) -> None:  # on_progress and events come from the trainer's thread too
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def forward(event: dict[str, Any]) -> None:
@@ -233,18 +203,20 @@ class _Service:
             items = [group_from_wire(i["group"]) if "group" in i else trajectory_from_wire(i["trajectory"])
                      for i in body.get("items") or []]
         except (ValidationError, ValueError, KeyError, TypeError) as exc:
-            raise _HTTPError(400, f"invalid log request: {exc}") from exc
+            raise ApiError(400, f"invalid log request: {exc}") from exc
         step = body.get("step")
         step = await self.backend.get_step(model) if step is None else int(step)
         summary = await self.backend.log(model, items, split=body.get("split", "val"), step=step,
                                          metrics=body.get("metrics"))
         return JSONResponse({"summary": summary, "step": step})
 
+    def _steps(self, model: TrainableModel) -> list[int]:
+        return checkpoint_steps(self.backend.model_dir(model) / "checkpoints")
+
     async def checkpoints(self, request: Request) -> JSONResponse:
         model = self.model(request)
-        await checkpoint_written(self.backend, model)
-        return JSONResponse({"steps": _checkpoint_steps(self.backend, model),
-                             "step": await self.backend.get_step(model)})
+        step = await self.backend.wait_for_checkpoint(model)  # the newest step's files are complete
+        return JSONResponse({"steps": self._steps(model), "step": step})
 
     async def delete(self, request: Request) -> JSONResponse:
         model = self.model(request)
@@ -255,11 +227,11 @@ class _Service:
 
     async def _checkpoint(self, request: Request) -> Path:
         model = self.model(request)
-        await checkpoint_written(self.backend, model)
+        await self.backend.wait_for_checkpoint(model)
         step = int(request.path_params["step"])
-        if step not in _checkpoint_steps(self.backend, model):
-            raise _HTTPError(404, f"model {model.name!r} has no checkpoint {step}", "checkpoint_not_found")
-        return Path(self.backend.checkpoint_dir(model, step))
+        if step not in self._steps(model):
+            raise ApiError(404, f"model {model.name!r} has no checkpoint {step}", "checkpoint_not_found")
+        return self.backend.checkpoint_dir(model, step)
 
     async def files(self, request: Request) -> JSONResponse:
         directory = await self._checkpoint(request)
@@ -271,7 +243,7 @@ class _Service:
         name = request.path_params["file"]
         # Only names listed in the directory: nothing outside it can be asked for.
         if name not in {p.name for p in directory.iterdir() if p.is_file()}:
-            raise _HTTPError(404, f"checkpoint has no file {name!r}", "file_not_found")
+            raise ApiError(404, f"checkpoint has no file {name!r}", "file_not_found")
         return FileResponse(directory / name, media_type="application/octet-stream")
 
 
@@ -279,14 +251,14 @@ async def _json(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body() or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _HTTPError(400, f"the request body is not valid JSON: {exc}") from exc
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise _HTTPError(400, "the request body must be a JSON object")
+        raise ApiError(400, "the request body must be a JSON object")
     return body
 
 
-def create_serve_app(backend: Any, *, token: Secret | None, openai_app: ASGIApp | None = None) -> Starlette:
-    """The ASGI app over `backend` (a LocalBackend, or anything with its methods).
+def create_serve_app(backend: ServedBackend, *, token: Secret | None, openai_app: ASGIApp | None = None) -> Starlette:
+    """The ASGI app over `backend` (a LocalBackend, or another `ServedBackend`).
 
     `openai_app` is mounted at the root for /v1/*; `token` None means no auth (loopback only).
     """
@@ -304,16 +276,10 @@ def create_serve_app(backend: Any, *, token: Secret | None, openai_app: ASGIApp 
     ]
     if openai_app is not None:
         routes.append(Mount("/", app=openai_app))
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, _HTTPError)
-        return exc.response()
-
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        return _HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
-
-    app = Starlette(routes=routes, middleware=[Middleware(_Guard, token=token)],
-                    exception_handlers={_HTTPError: http_error, Exception: unexpected})
+    # Outermost first: the token before anything else, so a stranger learns nothing, not even versions.
+    auth = [Middleware(BearerAuth, key=token, hint=_TOKEN_HINT)] if token is not None else []
+    app = Starlette(routes=routes, middleware=[*auth, Middleware(_RequireVersion)],
+                    exception_handlers=error_handlers())
     app.state.service = service
     return app
 
@@ -331,21 +297,20 @@ def _resolve_token(host: str, token: str | None, announce: Callable[[str], None]
 def serve(host: str = "127.0.0.1", port: int = 8000, path: str | os.PathLike[str] = ".art",
           token: str | None = None, *, announce: Callable[[str], None] = print) -> None:
     """Run the server until SIGINT/SIGTERM. The engine and the app share the backend's event loop."""
-    from ..server import create_app, start_server
+    from ..server import start_server
     from .local import LocalBackend
 
     secret = _resolve_token(host, token, announce)
     backend: LocalBackend = LocalBackend(path)
-    runtime = backend._runtime  # the app runs on the runtime's loop, next to the engine and its gate
 
-    async def start() -> tuple[Any, Starlette]:
-        await runtime.ensure_server()
-        app = create_serve_app(backend, token=secret, openai_app=create_app(runtime, runtime.gate))
+    async def start() -> tuple[RunningServer, Starlette]:
+        # On the backend's loop, next to the engine and its gate.
+        app = create_serve_app(backend, token=secret, openai_app=await backend.openai_app())
         return await start_server(app, host=host, port=port), app
 
-    server, app = runtime.loop.run_sync(start())
+    server, app = backend.loop.run_sync(start())
     auth = f"token from {secret.source}" if secret else "no auth (loopback only)"
-    announce(f"art-nb serve {_server_version()}: listening on http://{host}:{server.port} "
+    announce(f"art-nb serve {__version__}: listening on http://{host}:{server.port} "
              f"(OpenAI endpoint at /v1; checkpoints under {backend.path}; {auth})")
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -356,10 +321,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000, path: str | os.PathLike[str
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         announce("art-nb serve: stopping (a step in progress is finished first)")
-        runtime.loop.run_sync(_drain(backend, server, app.state.service), timeout=3600)
+        backend.loop.run_sync(_drain(backend, server, app.state.service), timeout=3600)
 
 
-async def _drain(backend: Any, server: Any, service: _Service) -> None:
+async def _drain(backend: LocalBackend, server: RunningServer, service: _Service) -> None:
     if service.running:  # a step that was started finishes and is checkpointed
         await asyncio.gather(*service.running, return_exceptions=True)
     await server.stop()

@@ -15,8 +15,9 @@ import pytest
 from conftest import make_choice
 
 import art_nb as art
-from art_nb import events
+from art_nb import events, web
 from art_nb.backends import remote as remote_module
+from art_nb.backends import serve as serve_module
 from art_nb.backends._http import (
     RetryPolicy,
     group_from_wire,
@@ -27,7 +28,8 @@ from art_nb.backends._http import (
     trajectory_to_wire,
     version_mismatch,
 )
-from art_nb.backends.base import TrainResult
+from art_nb.backends.base import Backend, TrainResult
+from art_nb.backends.local import LocalBackend
 from art_nb.backends.remote import RemoteBackend, RemoteBackendError, RemoteTrainingError
 from art_nb.backends.serve import _resolve_token, create_serve_app, is_loopback
 from art_nb.secrets import Secret
@@ -119,12 +121,36 @@ async def test_what_is_retried_and_what_is_not():
 
 def test_tokens_are_required_beyond_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert is_loopback("127.0.0.2") and is_loopback("[::1]")  # all of 127.0.0.0/8 is this machine
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("gpu-box")
     shown: list[str] = []
     secret = _resolve_token("0.0.0.0", None, shown.append)
     assert secret is not None and len(shown) == 1 and secret.reveal() in shown[0]
     assert _resolve_token("127.0.0.1", None, shown.append) is None and len(shown) == 1
     assert _resolve_token("0.0.0.0", "given", shown.append).reveal() == "given" and len(shown) == 1
+
+
+async def test_both_servers_share_one_auth_middleware_and_one_loopback_rule(tmp_path):
+    """The in-kernel endpoint and `art-nb serve` check keys with one middleware, answer a missing key
+    in one shape, and agree on which hosts need no key (127.0.0.2 once was loopback to only one)."""
+    kernel = create_app(OneModel(), InferenceGate(), api_key=TOKEN)
+    served = create_serve_app(InstantBackend(tmp_path / "served"), token=Secret(TOKEN))
+    for app in (kernel, served):
+        assert web.BearerAuth in [m.cls for m in app.user_middleware]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as raw:
+            refused = await raw.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+            assert refused.status_code == 401 and TOKEN not in refused.text
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert refused.json()["error"]["type"] == "invalid_request_error"
+            assert (await raw.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})).status_code != 401
+    assert serve_module.is_loopback is web.is_loopback
+    shown: list[str] = []
+    assert _resolve_token("127.0.0.2", None, shown.append) is None and not shown  # serve: no token generated
+    assert _resolve_token("10.1.2.3", None, shown.append) is not None and len(shown) == 1
+    local = LocalBackend(tmp_path / "local", host="127.0.0.2")  # the in-kernel endpoint: no key needed either
+    await local.close()
+    with pytest.raises(ValueError, match="needs an api_key"):
+        LocalBackend(tmp_path / "local", host="10.1.2.3")
 
 
 # --- the serve app over loopback ----------------------------------------------------------------
@@ -138,9 +164,12 @@ class InstantBackend:
         self.hold: asyncio.Event | None = None
         self.fail_with: Exception | None = None
 
+    def model_dir(self, model) -> Path:
+        return self.root / model.project / "models" / model.name
+
     def checkpoint_dir(self, model, step=None) -> Path:
         step = self.steps[model.name] if step is None else step
-        return self.root / model.project / "models" / model.name / "checkpoints" / f"{step:04d}"
+        return self.model_dir(model) / "checkpoints" / f"{step:04d}"
 
     def _write(self, model, step: int) -> None:
         directory = self.checkpoint_dir(model, step)
@@ -160,6 +189,9 @@ class InstantBackend:
 
     async def get_step(self, model) -> int:
         return self.steps[model.name]
+
+    async def wait_for_checkpoint(self, model) -> int:
+        return self.steps[model.name]  # written before train returns
 
     async def train(self, model, groups, config=None, *, on_progress=None) -> TrainResult:
         self.received.append(groups)
@@ -183,6 +215,15 @@ class InstantBackend:
         existing = sorted(s for s in range(self.steps[model.name] + 1) if self.checkpoint_dir(model, s).exists())
         targets = sorted(set(steps) if steps is not None else set(existing[:-keep_last]))
         return [s for s in targets if s != self.steps[model.name]]
+
+    def inference_endpoint(self, model):
+        raise NotImplementedError("the serve app never asks")
+
+    def inference_model_name(self, model, step=None) -> str:
+        raise NotImplementedError("the serve app never asks")
+
+    async def close(self) -> None:
+        pass
 
 
 class OneModel:
@@ -231,6 +272,8 @@ async def test_two_steps_stream_progress_and_keep_token_ids(served, tmp_path, ch
     assert remote_events.count("train_started") == 2 and remote_events.count("train_finished") == 2
     assert "trainer_note" in remote_events and "train_progress" in remote_events
     assert await model.get_step() == 2 and await client.list_checkpoints(model) == [0, 1, 2]
+    assert await client.wait_for_checkpoint(model) == 2
+    assert client.model_dir(model) == tmp_path / "client/p/models/m"
     assert str(model.openai_client().base_url) == f"{url}/v1/"
     assert await model.log([group], split="val") == {"trajectories": 1.0}
     assert await model.delete_checkpoints(keep_last=1) == [0, 1]
@@ -334,6 +377,11 @@ async def test_a_server_that_dies_mid_step_or_is_gone_gives_a_clear_error():
     await server.wait_closed()
     with pytest.raises(RemoteBackendError, match=f"cannot reach the art-nb server at {url}.*art-nb serve"):
         await client.get_step(model)
+
+
+def test_the_client_and_the_test_backend_implement_the_whole_protocol(tmp_path):
+    assert isinstance(RemoteBackend("http://x"), Backend)
+    assert isinstance(InstantBackend(tmp_path), Backend)
 
 
 async def test_no_token_on_loopback_means_no_auth(tmp_path):
