@@ -1,5 +1,6 @@
 """The real `art-nb serve` process on loopback with the tiny model on CPU, driven by `RemoteBackend`:
-two training steps, auth, the version handshake, and a crash + restart that resumes at the last step."""
+two training steps, progress streamed back from the real trainer, auth, the version handshake, and a
+crash + restart that resumes at the last step."""
 
 from __future__ import annotations
 
@@ -119,6 +120,26 @@ async def test_a_client_trains_two_steps_through_the_server(server, tmp_path):
     assert hashlib.sha256((local / adapter).read_bytes()).digest() == \
         hashlib.sha256((served / "checkpoints/0002" / adapter).read_bytes()).digest()
     assert await model.log([groups[0]], split="val") and (served / "trajectories/val/0002.jsonl").exists()
+
+
+async def test_the_real_trainers_progress_reaches_the_client(server, tmp_path):
+    """`LocalBackend.train` passes `on_progress` to the trainer, `art-nb serve` streams it as NDJSON
+    `progress` lines, and the client hands each to its own `on_progress` (a fake backend proved
+    only the last two links)."""
+    process, _ = server
+    backend = RemoteBackend(process.url, api_key=TOKEN, path=tmp_path)
+    model = make_model()
+    await model.register(backend)
+    step = await model.get_step()
+    groups = await art.gather_trajectory_groups(
+        [art.TrajectoryGroup(rollout(model, 100 + i) for i in range(3)) for _ in range(2)], pbar_desc=None)
+    progress: list[dict] = []
+    result = await model.train(groups, config=art.TrainConfig(learning_rate=5e-3), on_progress=progress.append)
+    assert result.step == step + 1
+    assert progress, "no progress line reached the client"
+    assert all(p["phase"] == "train" and 1 <= p["done"] <= p["total"] for p in progress)
+    assert await backend.wait_for_checkpoint(model) == step + 1
+    assert step + 1 in await backend.list_checkpoints(model)
 
 
 async def test_a_missing_or_wrong_token_is_rejected(server):
