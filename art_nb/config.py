@@ -10,7 +10,17 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ModelConfig", "TrainConfig", "LoraConfig"]
+__all__ = ["ModelConfig", "TrainConfig", "LoraConfig", "default_microbatch_tokens"]
+
+
+def default_microbatch_tokens(device: str) -> int:
+    """Padded tokens per forward/backward when `TrainConfig.microbatch_tokens` is None.
+
+    The one owner of this default: the trainer splits batches by it and the GPU memory plan budgets
+    activations for it. 1024 on CPU, where activations of 4096 tokens took over 10 GB on
+    SmolLM2-135M; 8192 on a GPU.
+    """
+    return 1024 if device == "cpu" else 8192
 
 _ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -57,8 +67,8 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     microbatch_tokens: int | None = Field(
-        None, ge=64, description="padded tokens per forward/backward; lower saves memory. None: the trainer picks "
-        "(1024 on CPU, where activations of 4096 tokens took >10 GB on SmolLM2-135M; 8192 on a GPU)")
+        None, ge=64, description="padded tokens per forward/backward; lower saves memory. None: "
+        "default_microbatch_tokens(device), 1024 on CPU and 8192 on a GPU")
     logprob_chunk_tokens: int = Field(512, ge=16, description="tokens (batch x positions) per lm_head chunk when taking logprobs: bounds logits memory")
     max_nonfinite_steps: int = Field(3, ge=1, description="consecutive skipped updates before training stops")
 

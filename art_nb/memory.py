@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import default_microbatch_tokens
+
 __all__ = ["GiB", "ModelShape", "MemoryPlan", "plan_gpu_memory", "read_model_shape", "count_parameters"]
 
 GiB = 1024**3
@@ -152,18 +154,21 @@ def plan_gpu_memory(
     *,
     shape: ModelShape | None = None,
     override: float | None = None,
-    microbatch_tokens: int = 4096,
+    microbatch_tokens: int | None = None,
     gradient_checkpointing: bool = True,
     cuda_graphs: bool = True,
 ) -> MemoryPlan:
     """Choose vLLM's `gpu_memory_utilization` for a GPU with `free_bytes` of `total_bytes` free.
 
     `batch_tokens`: KV-cache tokens wanted while serving (e.g. concurrent sequences x max_seq_len).
-    `microbatch_tokens`: tokens per forward/backward in training (TrainConfig.microbatch_tokens).
+    `microbatch_tokens`: tokens per forward/backward in training (TrainConfig.microbatch_tokens; None: the
+    trainer's GPU default, `default_microbatch_tokens("cuda")`).
     `override`: the user's ModelConfig.gpu_memory_utilization, used as given (and checked).
     """
     if total_bytes <= 0 or free_bytes <= 0 or model_params <= 0:
         raise ValueError("free_bytes, total_bytes and model_params must be positive")
+    if microbatch_tokens is None:
+        microbatch_tokens = default_microbatch_tokens("cuda")
     reasons: list[str] = []
     warnings: list[str] = []
     # Outside the plan: CUDA context and cuBLAS workspaces (outside torch's allocator), and blocks the
