@@ -14,7 +14,7 @@ from fakes.wandb_server import FakeArtifacts, FakeWandbServer
 import art_nb as art
 from art_nb import events
 from art_nb.backends._http import RetryPolicy
-from art_nb.backends.serverless import ServerlessBackend, ServerlessError, TrainingJobFailed, handoff
+from art_nb.backends.serverless import ServerlessBackend, ServerlessError, TrainingJobFailed
 from art_nb.secrets import MissingSecretError
 
 KEY = "wandb-test-key-8c1f2e9a7b5d"  # must never show up in any output
@@ -187,7 +187,7 @@ async def test_handoff_continues_from_the_local_lora_and_pull_brings_it_back(fak
     local_root = tmp_path / "trained-locally"
     _local_checkpoints(local_root, [0, 1, 2, 3])
     backend, model = backend_for(fake, tmp_path), make_model()
-    assert await handoff(model, backend, local_path=local_root) == 3
+    assert await backend.handoff(model, local_path=local_root) == 3
     ref, run_id, files = fake.artifacts.uploads[0]
     assert ref.path == "fake-entity/proj/agent:step3" and run_id == "run-model-1"
     assert files == ["adapter_config.json", "adapter_model.safetensors"]  # no optimizer state, no logs
@@ -202,12 +202,64 @@ async def test_handoff_continues_from_the_local_lora_and_pull_brings_it_back(fak
     assert json.loads((pulled / "meta.json").read_text())["pulled_from"].endswith("agent:step4")
 
     with pytest.raises(ServerlessError, match="already has checkpoint 4"):
-        await handoff(model, backend, local_path=local_root)
+        await backend.handoff(model, local_path=local_root)
 
 
 async def test_handoff_without_a_local_checkpoint_says_where_it_looked(fake, tmp_path):
     with pytest.raises(FileNotFoundError, match="no local checkpoint"):
-        await handoff(make_model(), backend_for(fake, tmp_path), local_path=tmp_path / "empty")
+        await backend_for(fake, tmp_path).handoff(make_model(), local_path=tmp_path / "empty")
+
+
+class _TrainedElsewhere:
+    """The backend a model was trained on, as `handoff` sees it: a run directory and a checkpoint to wait for."""
+
+    def __init__(self, root, model_name="agent"):
+        self.root, self.waited = root, []
+        self.directory = root / "proj/models" / model_name
+
+    async def wait_for_checkpoint(self, model):
+        _local_checkpoints(self.root, [5])  # the background write lands only now
+        self.waited.append(model.name)
+        return 5
+
+    def model_dir(self, model):
+        return self.directory
+
+
+async def test_handoff_from_the_source_backend_waits_for_its_checkpoint(fake, tmp_path):
+    source, backend, model = _TrainedElsewhere(tmp_path / "elsewhere"), backend_for(fake, tmp_path), make_model()
+    assert await backend.handoff(model, source=source) == 5  # the step written while handoff waited
+    assert source.waited == ["agent"]
+    ref, _, files = fake.artifacts.uploads[0]
+    assert ref.step == 5 and files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert model.backend is backend and await model.get_step() == 5
+
+
+async def test_the_whole_backend_protocol(fake, tmp_path, chatml_tokenizer):
+    from art_nb.backends.base import Backend
+
+    backend, model = backend_for(fake, tmp_path), make_model()
+    assert isinstance(backend, Backend)
+    assert backend.model_dir(model) == (tmp_path / "local/proj/models/agent").resolve()  # before register too
+    await model.register(backend)
+    assert backend.choices(model) == {}  # the service decides; nothing was picked on this machine
+    assert await backend.wait_for_checkpoint(model) == 0
+    await model.train(make_groups(chatml_tokenizer))
+    assert await backend.wait_for_checkpoint(model) == 1
+
+
+async def test_rollouts_are_on_disk_before_the_job_is_submitted(fake, tmp_path, chatml_tokenizer, recorded):
+    backend, model = backend_for(fake, tmp_path), make_model()
+    await model.register(backend)
+    fake.fail("POST", "/v1/preview/training-jobs", 400, message="bad groups")
+    with pytest.raises(ServerlessError, match="bad groups"):
+        await model.train(make_groups(chatml_tokenizer, n_groups=2, per_group=2))
+    run = backend.model_dir(model)
+    lines = [json.loads(line) for line in (run / "trajectories/train/0000.jsonl").read_text().splitlines()]
+    assert [(r["group"], r["reward"]) for r in lines] == [(0, 0.0), (0, 1.0), (1, 0.0), (1, 1.0)]
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert history[0]["split"] == "train" and history[0]["train/reward"] == 0.5
+    assert [e["metrics"]["trajectories"] for e in recorded if e["type"] == "log"] == [4.0]
 
 
 def test_missing_key_says_where_to_put_it(monkeypatch):
