@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import events
 from .state import TIMING_PARTS, TRAINER_PREFIX, RunState
-from .summary import TrainingSummary, _read_lines, summarize
+from .summary import TrainingSummary, load_run_files, summarize
 
 if TYPE_CHECKING:
+    from ..backends.base import Backend
     from ..model import Model
 
 __all__ = ["Dashboard"]
@@ -45,6 +46,7 @@ __all__ = ["Dashboard"]
 _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _PROGRESS_INTERVAL_S = 0.25
 _ACTIVE: dict[str, Dashboard] = {}
+_log = logging.getLogger("art_nb.notebook")
 
 
 class _WarningsToDashboard(logging.Handler):
@@ -64,14 +66,15 @@ class _WarningsToDashboard(logging.Handler):
 class Dashboard:
     """A live training dashboard for `model` (needs the `notebook` extra: ipywidgets, matplotlib).
 
-    `backend` (or `model_dir`) locates the run's files: past steps load from `history.jsonl` and the
-    trajectory viewer reads `trajectories/`. `metric` picks the second plot (changeable in the view).
+    `backend` (default: the one `model` is registered with) or `model_dir` locates the run's files:
+    past steps load from `history.jsonl` and the trajectory viewer reads `trajectories/`. `metric`
+    picks the second plot (changeable in the view).
     """
 
     def __init__(
         self,
         model: Model | None = None,
-        backend: Any = None,
+        backend: Backend | None = None,
         *,
         metric: str | None = None,
         title: str | None = None,
@@ -85,15 +88,15 @@ class Dashboard:
         self.model_name = model.name if model is not None else (self.model_dir.name if self.model_dir else None)
         self.title = title or (f"{self.model_name}" if self.model_name else "training")
         self.state = RunState(self.model_name)
-        if self.model_dir is not None and (self.model_dir / "history.jsonl").exists():
-            self.state.load_history(_read_lines(self.model_dir / "history.jsonl"))
-            self._load_latest_checkpoint()
+        if self.model_dir is not None:
+            load_run_files(self.state, self.model_dir)
         self._metric = metric
         self._png = b""
         self._handles: list[Any] = []
         self._last_progress = 0.0
         self._closed = False
         self._setting_picker = False  # options/value set by the dashboard, not picked by the user
+        self._failures_shown: set[str] = set()  # each distinct rendering failure is logged once
         self._owner_thread = threading.get_ident()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -171,8 +174,12 @@ class Dashboard:
             self._render_text()
             if change in ("train", "eval", "final"):
                 self._update_static()
-        except Exception:
-            logging.getLogger("art_nb.notebook").debug("dashboard update failed", exc_info=True)
+        except Exception as error:  # noqa: BLE001 - a broken view must not stop training, but it says so
+            what = f"{type(error).__name__}: {error}"
+            if what not in self._failures_shown:
+                self._failures_shown.add(what)
+                _log.warning("dashboard update failed (%s); the view may be out of date", what)
+            _log.debug("dashboard update failed", exc_info=True)
 
     def _on_metric(self, change: dict[str, Any]) -> None:
         if self._setting_picker:
@@ -306,24 +313,14 @@ class Dashboard:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         return self._bundle()
 
-    def _load_latest_checkpoint(self) -> None:
-        assert self.model_dir is not None
-        checkpoints = sorted(p for p in (self.model_dir / "checkpoints").glob("[0-9][0-9][0-9][0-9]*") if p.is_dir())
-        if checkpoints:
-            self.state.latest_checkpoint = str(checkpoints[-1])
-            self.state.served_step = int(checkpoints[-1].name)
 
-
-def _model_dir(model: Model | None, backend: Any) -> Path | None:
+def _model_dir(model: Model | None, backend: Backend | None) -> Path | None:
+    """Where the run's records are, or None before the model is registered (nothing to read yet)."""
     if model is None:
         return None
-    backend = backend if backend is not None else getattr(model, "_backend", None)
-    locate = getattr(backend, "model_dir", None)
-    if locate is None:
-        return None
     try:
-        return Path(locate(model))
-    except (RuntimeError, KeyError):  # not registered yet: no files to read
+        return (backend or model.backend).model_dir(model)
+    except RuntimeError:  # not registered (with that backend) yet
         return None
 
 

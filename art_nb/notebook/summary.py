@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..store import HISTORY_FILE, checkpoint_steps, read_jsonl
 from .state import RunState
 
-__all__ = ["TrainingSummary", "summarize", "summary_from_model_dir"]
+__all__ = ["TrainingSummary", "load_run_files", "summarize", "summary_from_model_dir"]
 
 
 @dataclass
@@ -109,24 +110,21 @@ def summary_from_model_dir(model_dir: str | Path, title: str | None = None) -> T
     """The summary of a run from its files alone (`history.jsonl`), e.g. after a kernel restart."""
     model_dir = Path(model_dir)
     state = RunState(model_dir.name)
-    history = model_dir / "history.jsonl"
-    if history.exists():
-        state.load_history(_read_lines(history))
-    checkpoints = sorted(p for p in (model_dir / "checkpoints").glob("[0-9][0-9][0-9][0-9]*") if p.is_dir())
-    if checkpoints:
-        state.latest_checkpoint = str(checkpoints[-1])
-        state.served_step = int(checkpoints[-1].name)
+    load_run_files(state, model_dir)
     return summarize(state, title)
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+def load_run_files(state: RunState, model_dir: Path) -> None:
+    """Past steps from the run's history and its latest complete checkpoint, read the store's way.
+
+    The live dashboard starts from these too, so a resumed run shows its past at once.
+    """
+    state.load_history(read_jsonl(model_dir / HISTORY_FILE))
+    checkpoints = model_dir / "checkpoints"
+    steps = checkpoint_steps(checkpoints)
+    if steps:
+        state.latest_checkpoint = str(checkpoints / f"{steps[-1]:04d}")  # the store's step-directory name
+        state.served_step = steps[-1]
 
 
 def _f(value: float | None, digits: int = 3) -> str:

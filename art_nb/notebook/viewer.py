@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..store import read_jsonl
+
 if TYPE_CHECKING:
     from ..trajectory import Trajectory
 
@@ -48,14 +50,8 @@ def list_trajectory_files(model_dir: str | Path) -> list[tuple[str, int, Path]]:
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """The trajectory records of one file; a line cut short by a crash is skipped."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    """The trajectory records of one file, read the store's way (a line cut short by a crash is skipped)."""
+    return read_jsonl(Path(path))
 
 
 def _content_text(content: Any) -> str:
@@ -172,7 +168,8 @@ class TrajectoryViewer:
 
     def _empty_message(self) -> str:
         if self.model_dir is None:
-            return "<i>Trajectories are shown for backends that write them locally (LocalBackend).</i>"
+            return ("<i>No run directory to read trajectories from: create the dashboard after "
+                    "<code>await model.register(backend)</code>, or pass <code>model_dir=</code>.</i>")
         return "<i>No trajectories yet: they appear when the first step's rollouts are logged.</i>"
 
     def refresh(self) -> None:
