@@ -49,10 +49,10 @@ def token_logprobs(
     are 0 elsewhere. In multi-turn rollouts most tokens are prompt (tic-tac-toe: 418 sampled of
     7246), and a 49k-vocabulary head over every position costs about a third of the step.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # third-party: peft wrapper or bare
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model  # third-party: older transformers
     head = base.get_output_embeddings()
-    softcap = getattr(base.config, "final_logit_softcapping", None)  # Gemma 2 style
+    softcap = getattr(base.config, "final_logit_softcapping", None)  # third-party: Gemma 2 style
 
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     hidden, targets = hidden[:, :-1], input_ids[:, 1:]

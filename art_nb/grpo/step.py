@@ -10,17 +10,23 @@ did not, the trainer's own detached logprobs stand in (ratio 1, a plain policy g
 
 A step whose loss or gradient norm is not finite changes nothing: gradients are dropped, the
 optimizer does not step, and `skipped_nonfinite` is 1 so the caller can count such steps.
+
+The caller can abandon a step (`should_stop`, polled before each microbatch and before the
+optimizer steps: an interrupted cell should not wait for the whole batch) and watch it
+(`on_progress`, one event per microbatch, from whatever thread runs the step).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..config import TrainConfig
+from ..types import ProgressCallback
 from .advantages import PreparedBatch
 from .loss import cispo_loss, masked_mean, ppo_clip_loss, token_logprobs
 from .tokens import TokenizedTrajectory
@@ -34,6 +40,8 @@ def grpo_step(
     batch: PreparedBatch,
     config: TrainConfig,
     device: Any = "cpu",
+    should_stop: Callable[[], bool] | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> dict[str, float]:
     """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
 
@@ -41,12 +49,20 @@ def grpo_step(
     tokens clipped), tokens_trained (0 when skipped), trajectories, mismatch_kl (KL from engine to
     trainer, k3 estimator, over trained tokens that have engine logprobs), skipped_nonfinite.
     An empty batch returns zeros and does not step.
+
+    `should_stop()` True before a microbatch or before the optimizer steps abandons the step:
+    gradients dropped, weights and optimizer untouched, `stopped` = 1 in the metrics. After each
+    microbatch's backward pass `on_progress` gets {"phase": "train", "done": k, "total": n,
+    "tokens": trained tokens so far}; the last event of a completed step has done == total.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
     items = batch.items
     totals = _Totals()
-    for group in microbatches(items, config.microbatch_tokens or 4096):
+    groups = microbatches(items, config.microbatch_tokens or 4096)
+    for done, group in enumerate(groups, start=1):
+        if should_stop is not None and should_stop():
+            return _abandoned(optimizer, totals, len(items))
         mb = _collate(group, device)
         logprobs, entropy = token_logprobs(
             model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens, positions=mb.mask
@@ -68,6 +84,8 @@ def grpo_step(
             break
         loss.backward()
         totals.add(loss, entropy, clip_fraction, logprobs.detach(), mb, known)
+        if on_progress is not None:
+            on_progress({"phase": "train", "done": done, "total": len(groups), "tokens": totals.tokens})
 
     if not items:
         return totals.metrics(grad_norm=0.0, skipped=False, trajectories=0)
@@ -76,9 +94,18 @@ def grpo_step(
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
     skipped = not math.isfinite(grad_norm)
     if not skipped:
+        if should_stop is not None and should_stop():
+            return _abandoned(optimizer, totals, len(items))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return totals.metrics(grad_norm=grad_norm, skipped=skipped, trajectories=len(items))
+
+
+def _abandoned(optimizer: torch.optim.Optimizer, totals: _Totals, trajectories: int) -> dict[str, float]:
+    """The metrics of a step stopped before the optimizer stepped: nothing was trained."""
+    optimizer.zero_grad(set_to_none=True)
+    metrics = totals.metrics(grad_norm=math.nan, skipped=False, trajectories=trajectories)
+    return {**metrics, "tokens_trained": 0.0, "stopped": 1.0}
 
 
 def microbatches(items: list[TokenizedTrajectory], max_tokens: int) -> list[list[TokenizedTrajectory]]:

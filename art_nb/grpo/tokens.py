@@ -63,7 +63,7 @@ def sampled_token_ids(choice: Choice) -> list[int] | None:
     """The ids the engine sampled for this choice, or None when the endpoint did not send them."""
     ids = (choice.model_extra or {}).get("token_ids")
     if ids is None:
-        ids = getattr(choice, "token_ids", None)
+        ids = getattr(choice, "token_ids", None)  # third-party: a declared field in some openai releases
     return [int(i) for i in ids] if ids is not None else None
 
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..backends.local.plan import compute_dtype
 from ..models import TINY_MODEL
 from ..versions import gpu_path_for, installed_version
 
@@ -230,9 +231,9 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     assert hw.gpu_capability is not None and hw.gpu_memory_gib is not None
     groups, rollouts, seq = _TASK_SHAPES[task]["gpu"]
     engine, engine_why = gpu_path_for(hw.gpu_capability, hw.vllm_version)
-    bf16 = hw.gpu_capability >= (8, 0)
-    turing = not bf16
-    if turing:
+    # The rule the trainer and the engines follow (backends/local/plan.py): the notebook shows what runs.
+    dtype, dtype_why = compute_dtype("auto", "cuda", hw.gpu_capability)
+    if hw.gpu_capability < (8, 0):
         # The transformers engine generates far slower than vLLM: a 0.5B model keeps a step near a minute.
         base_model, lr = "Qwen/Qwen2.5-0.5B-Instruct", 1e-4
         model_why = (f"{hw.gpu_name} ({hw.sm}) serves with the transformers engine, slower than vLLM: "
@@ -246,14 +247,14 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
                    if hw.unsloth_installed else "peft: Unsloth is not installed (pip install 'art-nb[gpu]')")
     steps = 20
     return NotebookDefaults(
-        hardware=hw, task=task, base_model=base_model, dtype="bfloat16" if bf16 else "float16",
+        hardware=hw, task=task, base_model=base_model, dtype=dtype,
         engine=engine, trainer=trainer, load_in_4bit=False, lora_rank=16, max_seq_len=seq, steps=steps,
         groups_per_step=groups, rollouts_per_group=rollouts, learning_rate=lr, eval_games=64,
         max_turns=40 if task == "2048" else None,
         reasons={
             "max_turns": "40 moves per game: reaching the 64 tile takes about 27",
             "base_model": model_why,
-            "dtype": f"bfloat16: {hw.sm} supports it" if bf16 else f"float16: {hw.gpu_name} ({hw.sm}) has no bf16",
+            "dtype": dtype_why,
             "engine": engine_why,
             "trainer": trainer_why,
             "steps": f"{steps} steps: enough for the reward curve to climb on a GPU",

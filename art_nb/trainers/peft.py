@@ -2,11 +2,19 @@
 
 The model stays resident between steps (loading it is the slow part). The GRPO math is
 `art_nb.grpo`, shared with the Unsloth trainer; this file only owns weights, optimizer and files.
+Device, dtype and 4-bit come from the model's `Plan` (backends/local/plan.py): the trainer does
+not decide them, so it trains in the dtype the engine serves in.
 
-Stopping a step (`should_stop`, set when the user interrupts the cell): it is checked before each
-microbatch's forward pass and once more right before the optimizer steps. Until the optimizer
-steps, stopping abandons the step with nothing changed (gradients dropped, `stopped` = 1 in the
-metrics); once it has stepped, the step is complete and the caller saves it.
+4-bit (`plan.load_in_4bit`, CUDA only): the base loads as bitsandbytes NF4 (double-quantised,
+computing in the plan's dtype) and goes through peft's `prepare_model_for_kbit_training`, whose
+one effect here (no gradient checkpointing) is to upcast what stays unquantised (embeddings,
+norms, lm head) to float32, the QLoRA recipe's stability. The LoRA weights are float32 either way,
+so a 4-bit checkpoint is the same adapter files an engine loads over its full-precision base.
+
+Stopping a step (`should_stop`, set when the user interrupts the cell): `grpo_step` asks it before
+each microbatch and once more right before the optimizer steps. Until the optimizer steps,
+stopping abandons the step with nothing changed (gradients dropped, `stopped` = 1 in the metrics);
+once it has stepped, the step is complete and the caller saves it.
 
 Nothing non-finite is kept or saved: an update that leaves a non-finite weight is reported
 (`nonfinite_weights`, `skipped_nonfinite`) for the caller to roll back, and `save` refuses
@@ -20,69 +28,78 @@ import gc
 import logging
 import pickle
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..backends.local.plan import Plan, plan_for
 from ..config import ModelConfig, TrainConfig
 from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
-from ..store import CheckpointError
+from ..store import TRAINER_STATE, CheckpointError
 from ..trajectory import TrajectoryGroup
-from ..store import TRAINER_STATE
+from ..types import ProgressCallback
 
-__all__ = ["PeftTrainer", "pick_dtype"]
+__all__ = ["PeftTrainer"]
 
 _log = logging.getLogger("art_nb")
-
-
-def pick_dtype(config: ModelConfig, device: str) -> tuple[torch.dtype, str]:
-    """The training dtype and why: fp32 on CPU, bf16 where the GPU has it, else fp16."""
-    if config.dtype != "auto":
-        return getattr(torch, config.dtype), f"{config.dtype}: set in ModelConfig.dtype"
-    if device == "cpu":
-        return torch.float32, "float32: CPU (bf16 matmuls are slow or emulated on most CPUs)"
-    if torch.cuda.is_bf16_supported():
-        return torch.bfloat16, "bfloat16: the GPU supports it"
-    major, minor = torch.cuda.get_device_capability()
-    return torch.float16, f"float16: this GPU (sm{major}{minor}) has no bf16"
 
 
 class PeftTrainer:
     name = "peft"
 
-    def __init__(self, model_path: Path, config: ModelConfig, device: str | None = None) -> None:
+    def __init__(self, model_path: Path, config: ModelConfig, plan: Plan | None = None) -> None:
+        """Load the base and a fresh LoRA as `plan` says (None: `plan_for(config)`, this machine's)."""
         from transformers import AutoTokenizer
 
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.plan = plan if plan is not None else plan_for(config)
+        self.device = self.plan.device
         self.config = config
-        dtype, reason = pick_dtype(config, self.device)
-        _log.info("trainer: %s on %s, %s%s", self.name, self.device, reason,
-                  ", 4-bit base" if config.load_in_4bit else "")
-        self.dtype_reason = reason
+        dtype_reason = self.plan.reasons.get("dtype", self.plan.dtype)
+        four_bit = f"; {self.plan.reasons.get('load_in_4bit', '4-bit base')}" if self.plan.load_in_4bit else ""
+        _log.info("trainer: %s on %s, %s%s", self.name, self.device, dtype_reason, four_bit)
         torch.manual_seed(config.seed)
         # The tokenizer the server and the engine use: tokens trained must be tokens served.
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = self._build_model(Path(model_path), dtype)
+        self.model = self._build_model(Path(model_path), self.plan.torch_dtype())
         self.model.train()
         self._optimizer: torch.optim.Optimizer | None = None
-        self._optimizer_key: tuple[float, float, tuple[float, float]] | None = None
         self._pending_optimizer_state: dict[str, Any] | None = None
 
     def _build_model(self, model_path: Path, dtype: torch.dtype) -> Any:
         """The base model wrapped with a fresh LoRA; subclasses (Unsloth) build it their way."""
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        base = self._load_base(model_path, dtype)
         base.config.use_cache = False
         lora = self.config.lora
-        return get_peft_model(base, LoraConfig(
-            r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
-        ))
+        with quiet_checkpointing_alias():
+            return get_peft_model(base, LoraConfig(
+                r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+            ))
+
+    def _load_base(self, model_path: Path, dtype: torch.dtype) -> Any:
+        """The frozen base: in `dtype` on the plan's device, or NF4 on the one GPU (module docstring)."""
+        from transformers import AutoModelForCausalLM
+
+        if not self.plan.load_in_4bit:
+            return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,
+        )
+        base = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, quantization_config=quantization,
+            device_map={"": torch.cuda.current_device()},
+        )
+        return prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
 
     def _optimizer_for(self, config: TrainConfig) -> torch.optim.Optimizer:
         """AdamW over the LoRA parameters; its moments survive steps and checkpoints."""
@@ -100,17 +117,22 @@ class PeftTrainer:
             group["weight_decay"] = config.weight_decay
         return self._optimizer
 
-    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any = None) -> dict[str, float]:
+    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig,
+                   should_stop: Callable[[], bool] | None = None,
+                   on_progress: ProgressCallback | None = None) -> dict[str, float]:
+        """One GRPO update (see `Trainer.train_step`); on a GPU the step's memory is handed back after."""
         try:
-            return self._train_step(groups, config, should_stop)
+            return self._train_step(groups, config, should_stop, on_progress)
         finally:
             if self.device != "cpu":
-                # Hand the step's activation memory back to the driver: vLLM re-allocates its KV cache
-                # outside PyTorch's caching allocator when it wakes, and would not see cached blocks as free.
+                # Blocks PyTorch's caching allocator keeps after the step (activations, logits) look
+                # used to any allocator outside PyTorch's: hand them back for whoever uses the GPU next.
                 gc.collect()
                 torch.cuda.empty_cache()
 
-    def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig, should_stop: Any) -> dict[str, float]:
+    def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig,
+                    should_stop: Callable[[], bool] | None,
+                    on_progress: ProgressCallback | None) -> dict[str, float]:
         batch = prepare_batch(groups, self.tokenizer, config, self.config.max_seq_len)
         metrics = batch.metrics()
         if not batch.items:
@@ -120,12 +142,9 @@ class PeftTrainer:
             config = config.model_copy(update={"microbatch_tokens": 1024 if self.device == "cpu" else 8192})
         optimizer = self._optimizer_for(config)
         self.model.train()
-        try:
-            with _stoppable(self.model, optimizer, should_stop):
-                metrics.update(grpo_step(self.model, optimizer, batch, config, device=self.device))
-        except _Stopped:
-            optimizer.zero_grad(set_to_none=True)
-            metrics["stopped"] = 1.0
+        metrics.update(grpo_step(self.model, optimizer, batch, config, device=self.device,
+                                 should_stop=should_stop, on_progress=on_progress))
+        if metrics.get("stopped"):
             return metrics
         bad = self._nonfinite_weight()
         if bad is not None:
@@ -181,7 +200,7 @@ class PeftTrainer:
         except Exception as error:  # safetensors raises its own error type for unreadable files
             raise CheckpointError(f"cannot read {weights_path}: {type(error).__name__}: {error}") from error
         result = set_peft_model_state_dict(self.model, weights)
-        if getattr(result, "unexpected_keys", None):
+        if result.unexpected_keys:
             raise RuntimeError(f"checkpoint {directory} has unexpected adapter keys: {result.unexpected_keys[:3]}")
         state_path = directory / TRAINER_STATE
         if state_path.exists():
@@ -202,40 +221,19 @@ class PeftTrainer:
                 random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
 
 
-class _Stopped(Exception):
-    """Raised inside a step when `should_stop()` says so, before the optimizer has stepped."""
-
-
 @contextlib.contextmanager
-def _stoppable(model: Any, optimizer: torch.optim.Optimizer, should_stop: Callable[[], bool] | None) -> Iterator[None]:
-    """Check `should_stop` before each microbatch's decoder pass and right before `optimizer.step`."""
-    if should_stop is None:
+def quiet_checkpointing_alias() -> Iterator[None]:
+    """Hide the one FutureWarning peft's LoRA wrapping causes, for the length of the wrapping.
+
+    peft (0.21) reads `model.is_gradient_checkpointing` while wrapping a model, an alias that
+    transformers 5 deprecated with a FutureWarning; the user did nothing to cause it and can do
+    nothing about it. Only that message is filtered, only while the wrap runs. (`catch_warnings`
+    swaps the process's filter list: a wrap is short and happens at load, when little else warns.)
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
         yield
-        return
-
-    def check(*_: Any) -> None:
-        if should_stop():
-            raise _Stopped
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
-    handle = decoder.register_forward_pre_hook(check)
-    step = optimizer.step
-
-    def guarded_step(*args: Any, **kwargs: Any) -> Any:
-        check()
-        return step(*args, **kwargs)
-
-    own_step = vars(optimizer).get("step")  # normally None: `step` is the class's method
-    optimizer.step = guarded_step  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        handle.remove()
-        if own_step is None:
-            del optimizer.step
-        else:
-            optimizer.step = own_step  # type: ignore[method-assign]
 
 
 def _to_cpu(state: Any) -> Any:

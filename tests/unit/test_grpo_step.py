@@ -230,3 +230,47 @@ def test_empty_batch_does_nothing(lora_model):
     optimizer = torch.optim.AdamW([p for p in lora_model.parameters() if p.requires_grad], lr=1e-2)
     metrics = grpo_step(lora_model, optimizer, PreparedBatch(), TrainConfig())
     assert metrics["trajectories"] == 0 and metrics["skipped_nonfinite"] == 0 and not optimizer.state
+
+
+def test_progress_arrives_once_per_microbatch_in_order(lora_model):
+    items = [sequence(i, 16 + 4 * i, 4, advantage=(-1.0) ** i) for i in range(4)]
+    total = len(microbatches(items, 64))
+    assert total > 1
+    optimizer = torch.optim.SGD([p for p in lora_model.parameters() if p.requires_grad], lr=0.1)
+    events: list[dict] = []
+
+    metrics = grpo_step(lora_model, optimizer, PreparedBatch(items=items), TrainConfig(microbatch_tokens=64),
+                        on_progress=events.append)
+
+    assert [e["done"] for e in events] == list(range(1, total + 1))
+    assert all(e["phase"] == "train" and e["total"] == total for e in events)
+    tokens = [e["tokens"] for e in events]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    assert events[-1]["tokens"] == metrics["tokens_trained"] == sum(16 + 4 * i - 4 for i in range(4))
+    assert "stopped" not in metrics
+
+
+@pytest.mark.parametrize("stop_at_call", ["first", "before_optimizer"])
+def test_should_stop_abandons_the_step_before_the_optimizer_steps(lora_model, stop_at_call):
+    items = [sequence(i, 16 + 4 * i, 4, advantage=(-1.0) ** i) for i in range(4)]
+    total = len(microbatches(items, 64))
+    calls = {"n": 0}
+    stop_on = 1 if stop_at_call == "first" else total + 1  # asked before each microbatch, then before the step
+
+    def should_stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= stop_on
+
+    optimizer = torch.optim.AdamW([p for p in lora_model.parameters() if p.requires_grad], lr=1e-2)
+    before = lora_weights(lora_model)
+    events: list[dict] = []
+    metrics = grpo_step(lora_model, optimizer, PreparedBatch(items=items), TrainConfig(microbatch_tokens=64),
+                        should_stop=should_stop, on_progress=events.append)
+
+    assert metrics["stopped"] == 1 and metrics["tokens_trained"] == 0 and metrics["skipped_nonfinite"] == 0
+    assert calls["n"] == stop_on
+    assert len(events) == stop_on - 1  # every microbatch that ran reported; none after the stop
+    after = lora_weights(lora_model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(p.grad is None for p in lora_model.parameters())
+    assert not optimizer.state

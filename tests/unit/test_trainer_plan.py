@@ -1,0 +1,142 @@
+"""The peft trainer takes device, dtype and 4-bit from the plan, and reports its progress.
+
+On a tiny random Llama saved like a hub model (tests/faults/tiny.py), so building a trainer costs
+the imports, not the weights. The dtype rule is checked across its owners on a simulated T4: the
+plan, the notebook defaults and the trainer must all say float16 there, and none of them may ask
+`torch.cuda.is_bf16_supported()` (True on a T4, through emulation).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import make_choice
+from faults.tiny import build_tiny_model, tiny_model_config
+
+from art_nb.backends.local import plan as plan_module
+from art_nb.backends.local.plan import Plan, compute_dtype, plan_for
+from art_nb.config import TrainConfig
+from art_nb.notebook.hardware import Hardware, pick_defaults
+from art_nb.trainers.peft import PeftTrainer
+from art_nb.trajectory import Trajectory, TrajectoryGroup
+
+T4 = Hardware(in_colab=True, cpu_count=2, gpu_name="Tesla T4", gpu_capability=(7, 5), gpu_memory_gib=15.0,
+              vllm_version="0.25.0", unsloth_installed=True)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core box threads make them 30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def cpu_plan(dtype: str = "float32") -> Plan:
+    return Plan(device="cpu", dtype=dtype, engine="hf", trainer="peft", load_in_4bit=False, cpu_threads=1,
+                reasons={"dtype": f"{dtype}: chosen by the test"})
+
+
+def base_weight_dtypes(trainer: PeftTrainer) -> set[torch.dtype]:
+    return {p.dtype for n, p in trainer.model.named_parameters() if "lora_" not in n}
+
+
+def groups(tokenizer, n: int = 4) -> list[TrajectoryGroup]:
+    """One group whose rewards differ, answers of different lengths (so microbatches differ too)."""
+    answers = ["Four.", "It is four, I think.", "5", "Two plus two makes four, as everyone knows."][:n]
+    return [TrajectoryGroup([
+        Trajectory(messages_and_choices=[{"role": "user", "content": "Two plus two?"}, make_choice(tokenizer, a)],
+                   reward=float(i % 2))
+        for i, a in enumerate(answers)
+    ])]
+
+
+def test_a_simulated_t4_gets_float16_from_every_owner(monkeypatch, tiny_dir):
+    def asked(*_args, **_kwargs):
+        raise AssertionError("torch.cuda.is_bf16_supported() answers True on a T4 (emulated bf16): not to be asked")
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", asked)
+    monkeypatch.setattr(plan_module, "cuda_capability", lambda: (7, 5))
+    dtype, why = compute_dtype("auto", "cuda", (7, 5))
+    assert dtype == "float16" and "sm75" in why
+
+    plan = plan_for(tiny_model_config(engine="auto", trainer="auto"))
+    assert (plan.device, plan.dtype, plan.reasons["dtype"]) == ("cuda", "float16", why)
+
+    defaults = pick_defaults(T4, "tic_tac_toe")
+    assert (defaults.dtype, defaults.reasons["dtype"]) == ("float16", why)
+    assert defaults.model_config().dtype == "float16"
+
+    # The trainer loads in the plan's dtype (the plan's device is CPU here: this machine has no GPU).
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), replace(plan, device="cpu"))
+    assert base_weight_dtypes(trainer) == {torch.float16}
+    assert trainer.plan.dtype == "float16"
+
+
+def test_ampere_and_newer_get_bfloat16_in_the_notebook_too():
+    dtype, why = compute_dtype("auto", "cuda", (8, 0))
+    a100 = replace(T4, gpu_name="NVIDIA A100", gpu_capability=(8, 0), gpu_memory_gib=39.6)
+    defaults = pick_defaults(a100, "tic_tac_toe")
+    assert (defaults.dtype, defaults.reasons["dtype"]) == (dtype, why) == ("bfloat16", why)
+
+
+def test_without_a_plan_the_trainer_plans_for_this_machine_and_says_why(tiny_dir, caplog):
+    config = tiny_model_config()
+    expected = plan_for(config)
+    with caplog.at_level(logging.INFO, logger="art_nb"):
+        trainer = PeftTrainer(tiny_dir, config)
+    assert trainer.plan == expected and trainer.device == expected.device
+    assert base_weight_dtypes(trainer) == {expected.torch_dtype()}
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("trainer: peft"))
+    assert expected.reasons["dtype"] in line and "4-bit" not in line
+
+
+def test_the_trainer_takes_its_dtype_from_the_plan_not_the_config(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="art_nb"):
+        trainer = PeftTrainer(tiny_dir, tiny_model_config(dtype="float32"), cpu_plan("bfloat16"))
+    assert base_weight_dtypes(trainer) == {torch.bfloat16}
+    assert any("bfloat16: chosen by the test" in r.getMessage() for r in caplog.records)
+
+
+def test_four_bit_on_a_cpu_is_refused_before_anything_loads_or_claims_it(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="art_nb"), pytest.raises(ValueError, match="needs a CUDA GPU"):
+        PeftTrainer(tiny_dir, tiny_model_config(load_in_4bit=True))
+    assert not any("4-bit" in r.getMessage() for r in caplog.records)
+
+
+def test_building_the_trainer_warns_nothing_about_transformers_internals(tiny_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # peft's is_gradient_checkpointing read, for one
+        PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())
+
+
+def test_train_step_reports_each_microbatch_in_order(tiny_dir):
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())
+    events: list[dict] = []
+    metrics = trainer.train_step(groups(trainer.tokenizer), TrainConfig(microbatch_tokens=64, learning_rate=1e-3),
+                                 on_progress=events.append)
+    assert metrics["trajectories"] == 4 and metrics["skipped_nonfinite"] == 0 and "stopped" not in metrics
+    total = events[0]["total"]
+    assert total > 1, "the batch should need several microbatches"
+    assert [(e["phase"], e["done"], e["total"]) for e in events] == [("train", k, total) for k in range(1, total + 1)]
+    assert events[-1]["tokens"] == metrics["tokens_trained"] > 0
+
+
+def test_a_stopped_step_changes_nothing_and_says_so(tiny_dir):
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    metrics = trainer.train_step(groups(trainer.tokenizer), TrainConfig(learning_rate=1e-2), should_stop=lambda: True)
+    assert metrics["stopped"] == 1 and metrics["tokens_trained"] == 0
+    after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert trainer._optimizer is not None and not trainer._optimizer.state
