@@ -13,10 +13,11 @@ names the base model as the user gave it (a hub id), not the local cache path it
 so the directory works on another machine. Optimizer state is not exported: it only matters for
 resuming, and the checkpoint directory keeps it.
 
-The Hub token is read from the `token` argument, the HF_TOKEN / HUGGING_FACE_HUB_TOKEN variables,
-Colab's secrets (HF_TOKEN), or huggingface_hub's saved login, in that order. It is passed to
-huggingface_hub and nowhere else: never printed, logged, stored in the result or written to disk.
-No token means no push, with the reason in `result.notes`; the files are exported either way.
+The Hub token is found the way every key is (`art_nb.secrets.find_secret`): the `token` argument,
+else a Colab secret or environment variable HF_TOKEN (then HUGGING_FACE_HUB_TOKEN), else
+huggingface_hub's saved login. It stays a masked `Secret` and is revealed only into the Hub client:
+never printed, logged, stored in the result or written to disk. No token means no push, with the
+reason in `result.notes`; the files are exported either way.
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .backends.base import checkpoint_written
-from .store import check_name
+from .secrets import Secret, find_secret
+from .store import ADAPTER_FILES, META_FILE, checkpoint_steps
+from .types import check_name
 
 if TYPE_CHECKING:
+    from .backends.base import Backend
     from .model import TrainableModel
 
 __all__ = ["ExportResult", "export_adapter", "export_model", "find_hub_token", "merge_adapter"]
 
 _log = logging.getLogger("art_nb")
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 _HUB_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -70,34 +72,31 @@ class ExportResult:
         return "\n".join(lines)
 
 
-def find_hub_token(token: str | None = None) -> tuple[str | None, str]:
-    """(token, where it came from) for the Hugging Face Hub; (None, why) when there is none.
+_NO_HUB_TOKEN = ("no Hugging Face token: pass token=..., add a Colab secret named HF_TOKEN (key icon, with "
+                 "notebook access on), or set the environment variable HF_TOKEN")
 
-    The source string never contains the token itself.
+
+def find_hub_token(token: str | Secret | None = None) -> Secret | None:
+    """The Hugging Face Hub token as a masked `Secret` (its `source` says where it was found), or None.
+
+    Looked up like every key (`find_secret`: argument, Colab secret, environment) under HF_TOKEN,
+    then HUGGING_FACE_HUB_TOKEN, then huggingface_hub's saved login (`huggingface-cli login`).
     """
-    if token:
-        return token, "the token argument"
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        if os.environ.get(name):
-            return os.environ[name], f"the {name} environment variable"
-    try:
-        from google.colab import userdata  # type: ignore[import-not-found]
+    found = (find_secret(token or None, name="HF_TOKEN", required=False)
+             or find_secret(None, name="HUGGING_FACE_HUB_TOKEN", required=False))
+    if found is not None:
+        return found
+    saved = _saved_hub_login()
+    return Secret(saved, "huggingface_hub's saved login") if saved else None
 
-        secret = userdata.get("HF_TOKEN")
-        if secret:
-            return secret, "Colab secrets (HF_TOKEN)"
-    except Exception:  # noqa: BLE001 - not Colab, no such secret, or access not granted
-        pass
+
+def _saved_hub_login() -> str | None:
     try:
         from huggingface_hub import get_token
 
-        saved = get_token()
-        if saved:
-            return saved, "huggingface_hub's saved login"
-    except Exception:  # noqa: BLE001 - huggingface_hub missing or unreadable token file
-        pass
-    return None, ("no Hugging Face token: set HF_TOKEN in Colab secrets (key icon, allow notebook access) "
-                  "or in the environment")
+        return get_token() or None
+    except Exception:  # noqa: BLE001 - huggingface_hub missing or an unreadable token file: no saved login
+        return None
 
 
 def export_adapter(
@@ -111,7 +110,7 @@ def export_adapter(
     merge_dtype: Literal["auto", "float16", "bfloat16"] = "auto",
     hub_repo: str | None = None,
     hub_private: bool = True,
-    token: str | None = None,
+    token: str | Secret | None = None,
 ) -> ExportResult:
     """Export the checkpoint in `checkpoint_dir` (a `checkpoints/{step:04d}` directory) into `destination`.
 
@@ -125,7 +124,7 @@ def export_adapter(
     if hub_repo is not None and not _HUB_REPO.match(hub_repo):
         raise ValueError(f"hub_repo {hub_repo!r} is not a Hub repo id; use 'user/name'")
     check_name("name", name)
-    meta = _read_json(source / "meta.json")
+    meta = _read_json(source / META_FILE)
     step = int(meta.get("step", _step_from_dir(source)))
     base_model = base_model or meta.get("base_model") or _read_json(source / "adapter_config.json").get(
         "base_model_name_or_path")
@@ -144,27 +143,38 @@ def export_adapter(
         notes.append(dtype_note)
     hub_url = None
     if hub_repo is not None:
-        found, where = find_hub_token(token)
+        found = find_hub_token(token)
         if found is None:
-            notes.append(f"hub push skipped: {where}")
+            notes.append(f"hub push skipped: {_NO_HUB_TOKEN}")
         else:
             hub_url = _push(adapter_dir, hub_repo, found, hub_private)
-            notes.append(f"pushed to {hub_url} with the token from {where}")
+            notes.append(f"pushed to {hub_url} with the token from {found.source}")
     return ExportResult(step, adapter_dir, zip_path, merged_dir, hub_url, tuple(notes))
 
 
 async def export_model(
     model: TrainableModel,
-    backend: Any = None,
+    backend: Backend | None = None,
     destination: str | os.PathLike[str] = "exports",
     *,
     step: int | None = None,
     **options: Any,
 ) -> ExportResult:
-    """Export `model`'s served checkpoint (or `step`) with `export_adapter`, off the event loop."""
+    """Export `model`'s served checkpoint (or `step`) with `export_adapter`, off the event loop.
+
+    The checkpoint must be on this machine, under `backend.model_dir(model)`: a RemoteBackend's
+    `download_checkpoint` or a ServerlessBackend's `pull_checkpoint` puts it there.
+    """
     backend = backend if backend is not None else model.backend
-    await checkpoint_written(backend, model)
-    checkpoint = backend.checkpoint_dir(model, step)
+    served = await backend.wait_for_checkpoint(model)  # a checkpoint still being written is not exported
+    step = served if step is None else step
+    checkpoints = backend.model_dir(model) / "checkpoints"
+    here = await asyncio.to_thread(checkpoint_steps, checkpoints)
+    if step not in here:
+        raise FileNotFoundError(f"no checkpoint {step} of {model.name!r} under {checkpoints} (there: "
+                                f"{here or 'none'}); a RemoteBackend's download_checkpoint or a ServerlessBackend's "
+                                "pull_checkpoint brings one to this machine")
+    checkpoint = checkpoints / f"{step:04d}"  # the store's step-directory name
     options.setdefault("base_model", model.base_model)
     options.setdefault("name", model.name)
     return await asyncio.to_thread(export_adapter, checkpoint, destination, **options)
@@ -263,7 +273,7 @@ def merge_adapter(
     # Merge in float32 (exact), then cast once: merging in 16-bit would round twice.
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    merged = merged.to(getattr(torch, dtype))
+    merged = merged.to({"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype])
     out = Path(target)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -275,10 +285,10 @@ def merge_adapter(
     return out, why
 
 
-def _push(adapter_dir: Path, repo: str, token: str, private: bool) -> str:
+def _push(adapter_dir: Path, repo: str, token: Secret, private: bool) -> str:
     from huggingface_hub import HfApi
 
-    api = HfApi(token=token)
+    api = HfApi(token=token.reveal())
     api.create_repo(repo, private=private, exist_ok=True)
     api.upload_folder(folder_path=str(adapter_dir), repo_id=repo, commit_message="art_nb: LoRA adapter")
     return f"https://huggingface.co/{repo}"

@@ -127,7 +127,7 @@ def test_hub_push_uses_the_token_and_never_shows_it(checkpoint, tmp_path, monkey
     assert calls[1] == ("create", "someone/m-lora", True)
     assert "adapter_model.safetensors" in calls[2][1]
     assert result.hub_url == "https://huggingface.co/someone/m-lora"
-    assert any("HF_TOKEN environment variable" in note for note in result.notes)
+    assert any("environment variable HF_TOKEN" in note for note in result.notes)
     shown = str(result) + repr(result) + capsys.readouterr().out + caplog.text
     assert SECRET not in shown
     written = "".join(p.read_text(errors="ignore") for p in tmp_path.rglob("*") if p.is_file())
@@ -144,14 +144,57 @@ def test_no_token_skips_the_push_with_a_reason(checkpoint, tmp_path, no_saved_lo
     assert result.adapter_dir.is_dir()
 
 
+def _found(secret):
+    return (secret.reveal(), secret.source)
+
+
 def test_token_sources_in_order(monkeypatch, no_saved_login):
-    token, why = find_hub_token()
-    assert token is None and "HF_TOKEN" in why
+    assert find_hub_token() is None
     monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "b")
-    assert find_hub_token() == ("b", "the HUGGING_FACE_HUB_TOKEN environment variable")
+    assert _found(find_hub_token()) == ("b", "environment variable HUGGING_FACE_HUB_TOKEN")
     monkeypatch.setenv("HF_TOKEN", "a")
-    assert find_hub_token() == ("a", "the HF_TOKEN environment variable")
-    assert find_hub_token("c") == ("c", "the token argument")
+    assert _found(find_hub_token()) == ("a", "environment variable HF_TOKEN")
+    assert _found(find_hub_token("c")) == ("c", "argument")
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN")
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "saved")
+    assert _found(find_hub_token()) == ("saved", "huggingface_hub's saved login")
+
+
+def test_the_hub_token_is_a_masked_secret(monkeypatch, no_saved_login):
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    token = find_hub_token()
+    assert SECRET not in f"{token} {token!r}" and "HF_TOKEN" in token.source
+
+
+class _Trained:
+    """A backend as export_model sees it: a served step to wait for, and where the run is."""
+
+    def __init__(self, root, step):
+        self.root, self.step, self.waited = root, step, 0
+
+    async def wait_for_checkpoint(self, model):
+        self.waited += 1
+        return self.step
+
+    def model_dir(self, model):
+        return self.root
+
+
+async def test_export_model_waits_for_the_served_checkpoint(checkpoint, tmp_path, monkeypatch):
+    import art_nb.export
+    from art_nb import TrainableModel
+
+    monkeypatch.setattr(art_nb.export, "_local_base_dir", lambda base_model: None)
+    _, ckpt = checkpoint
+    model = TrainableModel(name="ttt", base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    backend = _Trained(ckpt.parent.parent, 3)
+    result = await art_nb.export.export_model(model, backend, tmp_path, make_zip=False)
+    assert backend.waited == 1 and result.step == 3 and result.adapter_dir == tmp_path / "ttt-step3-lora"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 7 .*\(there: \[3\]\).*pull_checkpoint"):
+        await art_nb.export.export_model(model, backend, tmp_path, step=7)
 
 
 def test_bad_inputs_are_refused_with_a_fix(checkpoint, tmp_path):
