@@ -17,6 +17,11 @@ Sampling returns the sampled token ids and their raw logprobs (`logprobs_mode="r
 the model's distribution before temperature/top-p, which is what the trainer recomputes). Each
 `load_adapter` gets a fresh LoRA integer id, because vLLM caches adapters (and prefix-cache
 blocks) by id: reusing an id for new weights would serve the old ones.
+
+Around a train step the engine arranges its own memory (`train_with`): it sleeps (level 1: KV
+cache freed, weights to CPU) unless the memory plan (`vllm_plan.engine_args`) says training fits
+beside it awake, and falls back to sleeping for good after the first out-of-memory error there.
+The backend never sees a sleep call or a CUDA error type.
 """
 
 from __future__ import annotations
@@ -25,133 +30,25 @@ import asyncio
 import dataclasses
 import gc
 import itertools
-import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import ModelConfig
 from .base import ContextTooLongError, EngineDeadError, EngineError, GenerationRequest, Sample, SamplingParams
+from .vllm_plan import VLLMSetup, capped_memory, engine_args
 
-__all__ = ["VLLMEngine", "engine_args"]
+if TYPE_CHECKING:
+    from ..backends.local.plan import Plan
+
+__all__ = ["VLLMEngine", "VLLMSetup", "capped_memory", "engine_args"]
 
 _log = logging.getLogger("art_nb")
 _T = TypeVar("_T")
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-_EAGER_ENV = "ART_NB_VLLM_ENFORCE_EAGER"
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
-# Adapters resident on the accelerator at once: the newest step, plus an older one a rollout may
-# still ask for by "{name}@{step}" while the swap happens.
-_MAX_LORAS = 2
-_MAX_CPU_LORAS = 4
-
-
-def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_eager: bool | None = None,
-                memory: tuple[int, int] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """vLLM `EngineArgs` keywords for `config`, with the reason for each automatic choice.
-
-    `memory` is (free, total) accelerator bytes, for the memory plan (CUDA only).
-    """
-    kwargs, reasons, _ = _plan_engine(model_path, config, on_cuda, enforce_eager, memory)
-    return kwargs, reasons
-
-
-def _plan_engine(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_eager: bool | None,
-                 memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool]:
-    """`engine_args`, plus whether vLLM may stay awake while a step trains."""
-    import torch
-
-    from ..memory import VLLM_STEP_TOKENS, count_parameters, plan_gpu_memory, read_model_shape
-    from ..trainers.peft import pick_dtype  # the trainer's dtype: engine and trainer logprobs must agree
-
-    reasons: list[str] = []
-    dtype, why = pick_dtype(config, "cuda" if on_cuda else "cpu")
-    reasons.append(f"dtype {why}")
-    max_len = config.max_seq_len
-    model_limit = _max_positions(model_path)
-    if model_limit is not None and model_limit < max_len:
-        reasons.append(f"max_model_len {model_limit}: the model's positions limit (max_seq_len={max_len} asked)")
-        max_len = model_limit
-    rank = next((r for r in _LORA_RANKS if r >= config.lora.rank), _LORA_RANKS[-1])
-    if enforce_eager is None:
-        enforce_eager = os.environ.get(_EAGER_ENV, "").strip().lower() in {"1", "true", "yes"}
-        if enforce_eager:
-            reasons.append(f"enforce_eager: {_EAGER_ENV} is set (faster start, slower decoding)")
-    kwargs: dict[str, Any] = dict(
-        model=str(model_path),
-        tokenizer=str(model_path),
-        dtype=str(dtype).removeprefix("torch."),
-        seed=config.seed,
-        max_model_len=max_len,
-        enable_lora=True,
-        max_lora_rank=rank,
-        max_loras=_MAX_LORAS,
-        max_cpu_loras=_MAX_CPU_LORAS,
-        enforce_eager=enforce_eager,
-        enable_prefix_caching=True,
-        logprobs_mode="raw_logprobs",
-        disable_log_stats=True,
-    )
-    shape = read_model_shape(model_path)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    batch_tokens = config.max_batch_size * max_len
-    train_awake = False
-    if on_cuda:
-        kwargs["enable_sleep_mode"] = True
-        # The memory plan budgets vLLM's activations for this many tokens a step (vLLM's default
-        # for an offline engine on an H200 is 16384, which overran a T4-sized cap).
-        kwargs["max_num_batched_tokens"] = max(VLLM_STEP_TOKENS, max_len)
-        free, device_total = memory if memory is not None else torch.cuda.mem_get_info()
-        fraction = 1.0  # a cap set with torch.cuda.set_per_process_memory_fraction (torch >= 2.6 reads it back)
-        if memory is None and hasattr(torch.cuda, "get_per_process_memory_fraction"):
-            fraction = float(torch.cuda.get_per_process_memory_fraction())
-        free, total = capped_memory(free, device_total, fraction, torch.cuda.memory_reserved() if fraction < 1 else 0)
-        if total < device_total:
-            reasons.append(f"memory: planned within this process's cap of {total / 2**30:.1f} GiB "
-                           f"(torch.cuda.set_per_process_memory_fraction({fraction:g}))")
-        # vLLM's gpu_memory_utilization is a share of the whole device; the plan works within `total`.
-        to_plan = total / device_total
-        override = config.gpu_memory_utilization
-        plan = plan_gpu_memory(
-            free, total, count_parameters(model_path), dtype_bytes, config.lora.rank, max_len, batch_tokens,
-            config.load_in_4bit, shape=shape, override=None if override is None else override / to_plan,
-            cuda_graphs=not enforce_eager,
-        )
-        for warning in plan.warnings:
-            _log.warning("memory: %s", warning)
-        if not plan.fits and config.gpu_memory_utilization is None:
-            raise EngineError("the model does not fit next to the trainer: " + "; ".join(plan.warnings))
-        kwargs["gpu_memory_utilization"] = override if override is not None else round(
-            plan.gpu_memory_utilization * to_plan, 4)
-        reasons.extend(f"memory: {r}" for r in plan.reasons)
-        train_awake = plan.train_awake
-        if config.sleep_during_training is not None:
-            train_awake = not config.sleep_during_training
-            reasons.append(f"vLLM {'sleeps' if config.sleep_during_training else 'stays awake'} while training: "
-                           f"set in ModelConfig.sleep_during_training")
-    else:
-        # vLLM's CPU build sizes its KV cache in bytes; a modest slice of RAM is plenty for tests.
-        per_token = shape.kv_bytes_per_token(dtype_bytes) if shape else 64 * 1024
-        kv = min(per_token * batch_tokens, max(per_token * max_len * 4, 1 << 30))
-        kwargs["kv_cache_memory_bytes"] = kv
-        reasons.append(f"KV cache {kv / 2**30:.2f} GiB of RAM (CPU build: sized in bytes)")
-    return kwargs, reasons, train_awake
-
-
-def capped_memory(free: int, total: int, fraction: float, reserved: int) -> tuple[int, int]:
-    """(free, total) bytes as this process may use them, under `torch.cuda.set_per_process_memory_fraction`.
-
-    A capped process (a shared GPU, or a bigger GPU standing in for a smaller one) must plan within
-    its cap, not within the device: `total` becomes the cap and `free` what is left of it after what
-    torch has already reserved.
-    """
-    if not 0 < fraction < 1:
-        return free, total
-    cap = int(fraction * total)
-    return max(0, min(free, cap - reserved)), cap
 
 
 class VLLMEngine:
@@ -162,7 +59,9 @@ class VLLMEngine:
     def __init__(self, engine: Any, worker: ThreadPoolExecutor, tokenizer: Any, max_context: int,
                  on_cuda: bool, reasons: list[str], train_awake: bool = False) -> None:
         self._engine = engine
-        self.train_awake = train_awake  # the backend skips sleep/wake around a step when True
+        # The memory plan's answer: training fits beside the awake engine. Turned off for good by
+        # the first out-of-memory error while training beside it (`train_with`).
+        self._train_awake = train_awake
         self._worker = worker
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -178,41 +77,83 @@ class VLLMEngine:
         self._closed = False
 
     @classmethod
-    async def create(cls, model_path: Path, config: ModelConfig, *, enforce_eager: bool | None = None) -> VLLMEngine:
+    async def create(cls, model_path: Path, config: ModelConfig, plan: Plan | None = None, *,
+                     enforce_eager: bool | None = None) -> VLLMEngine:
         """Start vLLM for the model in `model_path` (a local directory). Takes ~1 min on a GPU.
 
-        `enforce_eager=None` reads ART_NB_VLLM_ENFORCE_EAGER (no CUDA graphs / compile: starts
-        ~40-60 s faster, decodes slower); the default is vLLM's compiled, graph-captured path.
+        `plan` (`plan_for(config)` when None) gives the device and the dtype, which the trainer
+        shares. `enforce_eager=None` reads ART_NB_VLLM_ENFORCE_EAGER (no CUDA graphs / compile:
+        starts ~40-60 s faster, decodes slower); the default is vLLM's compiled, graph-captured path.
         """
-        import torch
         from transformers import AutoTokenizer
 
+        from ..backends.local.plan import plan_for
         from ..versions import check_versions
 
+        plan = plan or plan_for(config)
         for warning in check_versions("vllm"):
             _log.warning("%s", warning)
-        on_cuda = torch.cuda.is_available()
+        on_cuda = plan.device == "cuda"
         if on_cuda:  # memory a closed engine or trainer left in PyTorch's cache counts as free
+            import torch
+
             gc.collect()
             torch.cuda.empty_cache()
-        kwargs, reasons, train_awake = _plan_engine(Path(model_path), config, on_cuda, enforce_eager, None)
+        setup = engine_args(Path(model_path), config, on_cuda, enforce_eager, dtype=plan.dtype)
+        reasons = list(setup.reasons)
         for reason in reasons:
             _log.info("vLLM: %s", reason)
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="art_nb-vllm")
         loop = asyncio.get_running_loop()
         try:
-            engine = await loop.run_in_executor(worker, _build_engine, kwargs)
+            engine = await loop.run_in_executor(worker, _build_engine, setup.kwargs)
         except Exception as exc:
             worker.shutdown(wait=False)
             raise EngineError(f"vLLM could not start for {model_path}: {type(exc).__name__}: {exc}") from exc
         VLLMEngine._live += 1
+        # third-party: vLLM releases moved the scheduler config around
         scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         if scheduler is not None:
             reasons.append(f"scheduler: up to {scheduler.max_num_seqs} sequences and {scheduler.max_num_batched_tokens} "
                            "tokens a step (vLLM's defaults for an in-process engine on this device)")
             _log.info("vLLM: %s", reasons[-1])
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-        return cls(engine, worker, tokenizer, kwargs["max_model_len"], on_cuda, reasons, train_awake)
+        return cls(engine, worker, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving, or None while it serves."""
+        if self._dead is not None:
+            return f"vLLM stopped ({type(self._dead).__name__}: {self._dead})"
+        if self._closed:
+            return "the engine was closed"
+        return None
+
+    async def train_with(self, step: Callable[[], Awaitable[_T]]) -> _T:
+        """Sleep unless the memory plan keeps vLLM awake for training, run `step()`, wake.
+
+        Out of GPU memory beside the awake engine, the plan was wrong for this batch: sleep, run
+        `step()` again (exact: the trainer raised before its optimizer stepped, and emptied the
+        allocator's cache on the way out) and sleep for every later step.
+        """
+        import torch  # loaded with vLLM already; here for its out-of-memory error
+
+        awake = self._train_awake
+        try:
+            if not awake:
+                await self.sleep()
+            try:
+                return await step()
+            except torch.OutOfMemoryError as error:
+                if not awake:
+                    raise
+                _log.warning("training ran out of GPU memory beside an awake vLLM (%s); vLLM sleeps for "
+                             "training from now on", str(error).splitlines()[0][:200])
+                self._train_awake = False
+                await self.sleep()
+                return await step()
+        finally:
+            await self.wake()
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -245,12 +186,12 @@ class VLLMEngine:
             )
         except Exception as exc:
             self._pending.pop(request_id, None)
-            raise _as_engine_error(exc, "vLLM rejected the request") from exc
+            raise self._failed(exc, "vLLM rejected the request") from exc
         self._ensure_driver()
         try:
             output = await done
         except asyncio.CancelledError:  # the client went away: free the batch slot
-            if self._pending.pop(request_id, None) is not None and self._dead is None:
+            if self._pending.pop(request_id, None) is not None and self.dead_reason is None:
                 await self._call(self._engine.abort_request, [request_id])
             raise
         return [_to_sample(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
@@ -269,12 +210,7 @@ class VLLMEngine:
                         if waiter is not None and not waiter.done():
                             waiter.set_result(output)
         except Exception as exc:  # an exception out of step() leaves vLLM in an unknown state
-            self._dead = exc
-            _log.error("vLLM stopped: %s: %s", type(exc).__name__, exc)
-            for waiter in self._pending.values():
-                if not waiter.done():
-                    waiter.set_exception(self._dead_error())
-            self._pending.clear()
+            self._died(exc)
 
     async def _idle(self) -> None:
         """Wait until every accepted request has finished (the backend's gate admits no new ones)."""
@@ -293,7 +229,7 @@ class VLLMEngine:
         try:
             added = await self._call(self._engine.add_lora, lora)
         except Exception as exc:
-            raise _as_engine_error(exc, f"vLLM could not load the adapter in {path}") from exc
+            raise self._failed(exc, f"vLLM could not load the adapter in {path}") from exc
         if added is False:
             raise EngineError(f"vLLM refused the adapter in {path}")
         previous = self._adapters.get(name)
@@ -303,7 +239,7 @@ class VLLMEngine:
 
     async def unload_adapter(self, name: str) -> None:
         lora = self._adapters.pop(name, None)
-        if lora is not None and self._dead is None:
+        if lora is not None and self.dead_reason is None:
             await self._call(self._engine.remove_lora, lora.lora_int_id)
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -319,7 +255,7 @@ class VLLMEngine:
 
     async def wake(self) -> None:
         """Undo `sleep`; safe to call when awake (the backend calls it again in `finally`)."""
-        if not self._asleep or self._dead is not None:
+        if not self._asleep or self.dead_reason is not None:
             return
         await self._call(self._engine.wake_up)
         self._asleep = False
@@ -328,12 +264,10 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
-        for waiter in self._pending.values():
-            if not waiter.done():
-                waiter.set_exception(EngineDeadError("the engine was closed"))
-        self._pending.clear()
+        self._fail_pending()
         if self._driver is not None:
             await asyncio.gather(self._driver, return_exceptions=True)
+        # third-party: not every vLLM release's in-process core has shutdown()
         shutdown = getattr(getattr(self._engine, "engine_core", None), "shutdown", None)
         if shutdown is not None:
             try:
@@ -356,16 +290,34 @@ class VLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
 
+    def _died(self, exc: BaseException) -> None:
+        """vLLM failed in a way that leaves it in an unknown state: fail everything waiting, serve no more."""
+        if self._dead is None:
+            self._dead = exc
+            _log.error("vLLM stopped: %s: %s", type(exc).__name__, exc)
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_exception(self._dead_error())
+        self._pending.clear()
+
+    def _failed(self, exc: Exception, what: str) -> EngineError:
+        """`exc` from a vLLM call as our error. vLLM's own dead-engine error makes this engine dead too."""
+        if isinstance(exc, EngineError):
+            return exc
+        if _vllm_says_dead(exc):
+            self._died(exc)
+            return self._dead_error()
+        return EngineError(f"{what}: {type(exc).__name__}: {exc}")
+
     def _check_alive(self) -> None:
-        if self._closed:
-            raise EngineDeadError("the engine was closed; register the model again to start a new one")
-        if self._dead is not None:
+        if self.dead_reason is not None:
             raise self._dead_error()
 
     def _dead_error(self) -> EngineDeadError:
-        return EngineDeadError(
-            f"vLLM stopped ({type(self._dead).__name__}: {self._dead}); restart the kernel or register the model again"
-        )
+        return EngineDeadError(f"{self.dead_reason}; re-register the model to start a new engine")
 
 
 def _build_engine(kwargs: dict[str, Any]) -> Any:
@@ -384,8 +336,7 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
 
         # LLM_CLASS, as `vllm.LLM` builds it: the scheduler defaults for an offline, in-process engine.
         # The from_engine_args default (ENGINE_CONTEXT) falls back to 128 sequences and 2048 tokens a
-        # step: on an H200 that halved throughput at 256 concurrent requests and split every batched
-        # prefill into 2048-token chunks (bench/results/h200/gpu_throughput.json, 2026-11-30).
+        # step, which halves throughput at 256 concurrent requests (bench/gpu_throughput.py measures it).
         return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in known}),
                                           usage_context=UsageContext.LLM_CLASS)
     finally:
@@ -437,22 +388,9 @@ def _to_sample(completion: Any) -> Sample:
     return Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=completion.finish_reason)
 
 
-def _as_engine_error(exc: Exception, what: str) -> EngineError:
-    if isinstance(exc, EngineError):
-        return exc
+def _vllm_says_dead(exc: Exception) -> bool:
     try:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
     except ImportError:  # pragma: no cover - every supported vLLM has it
-        VllmDeadError = ()  # type: ignore[assignment]  # noqa: N806
-    if isinstance(exc, VllmDeadError):
-        return EngineDeadError(f"{what}: the vLLM engine died")
-    return EngineError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-def _max_positions(model_path: Path) -> int | None:
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("text_config", config).get("max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
+        return False
+    return isinstance(exc, VllmDeadError)

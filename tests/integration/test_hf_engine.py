@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from art_nb.backends.local.plan import Plan
 from art_nb.config import ModelConfig
 from art_nb.engines.base import (
     ContextTooLongError,
@@ -228,5 +229,20 @@ async def test_replacing_an_adapter_keeps_submitted_requests_on_the_old_weights(
     assert during.token_ids == v1_alone.token_ids
     assert after.token_ids == v2_alone.token_ids
     await engine.unload_adapter("m")
-    assert not engine._retired
+    assert not engine._adapters.retired
     assert not hasattr(engine._model, "peft_config")  # v1 went when its request ended, v2 on unload: LoRA layers removed
+
+
+async def test_dtype_and_threads_come_from_the_plan(model_path: Path) -> None:
+    """The engine decides neither: a plan for bf16 and two threads gets bf16 weights and a two-thread worker."""
+    threads = torch.get_num_threads()
+    plan = Plan(device="cpu", dtype="bfloat16", engine="hf", trainer="peft", load_in_4bit=False, cpu_threads=2)
+    engine = await HFEngine.create(model_path, ModelConfig(max_seq_len=256, cpu_threads=1), plan)
+    try:
+        assert next(engine._model.parameters()).dtype == torch.bfloat16
+        assert await engine._in_worker(torch.get_num_threads) == 2  # the plan's, not ModelConfig.cpu_threads
+        [sample] = await engine.generate(GenerationRequest(chat(engine, "hi"), SamplingParams(max_tokens=4)))
+        assert len(sample.token_ids) == len(sample.logprobs) > 0
+    finally:
+        await engine.close()
+        torch.set_num_threads(threads)  # create set this thread's count too
