@@ -3,6 +3,10 @@
 Straight-line on purpose (it is the script a user reads first): evaluate the base model on fixed
 games, train with GRPO for `steps` steps, evaluate the trained LoRA on the same games, print the
 before/after table and save the reward curve. Re-running resumes from the last checkpoint.
+
+The automatic choices (base model, device, dtype, engine, trainer, threads) are printed once, from
+`backend.choices(model)`: while registering, the backend logs them and the base-model resolution,
+engine and trainer each log their own part as well, which in a script reads as every choice twice.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import art_nb as art
+from art_nb.backends.base import Backend
 from art_nb.envs import tic_tac_toe as ttt
+from art_nb.store import HISTORY_FILE, read_jsonl
 
-__all__ = ["DemoConfig", "run_demo", "format_table"]
+__all__ = ["DemoConfig", "format_table", "register_and_show_choices", "run_demo"]
 
 
 @dataclass
@@ -47,11 +53,31 @@ def format_table(before: dict[str, float], after: dict[str, float], labels: tupl
     return "\n".join(lines)
 
 
+async def register_and_show_choices(model: art.TrainableModel, backend: Backend) -> dict[str, str]:
+    """Register `model` with `backend` and print each automatic choice once; returns the choices.
+
+    The `art_nb` logger is held at WARNING while registering (warnings still show), so the INFO
+    lines that restate the same choices stay out of the script's output.
+    """
+    log = logging.getLogger("art_nb")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        await model.register(backend)
+    finally:
+        log.setLevel(level)
+    choices = backend.choices(model)
+    print("Automatic choices:" if choices else "Nothing chosen automatically.")
+    for key, why in choices.items():
+        print(f"  {key}: {why}")
+    return choices
+
+
 async def run_demo(config: DemoConfig) -> dict[str, Any]:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("  %(message)s"))
     log = logging.getLogger("art_nb")
     if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("  %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     out = Path(config.out)
@@ -64,7 +90,8 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
                                seed=config.seed),
     )
     backend = art.LocalBackend(path=config.path)
-    await model.register(backend)  # logs each automatic choice (engine, trainer, threads, dtype) and why
+    print(f"Loading {config.base_model} (the first run downloads it)...")
+    await register_and_show_choices(model, backend)
 
     print(f"\nEvaluating the base model on {config.eval_games} fixed games (seed {config.eval_seed}, greedy)...")
     before = await ttt.evaluate(model, config.eval_games, config.eval_seed, inference_name=model.get_inference_name(0),
@@ -102,7 +129,7 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
 
     from art_nb.notebook.plots import plot_reward_curve
 
-    history = backend._runtime.state(model).store.read_history()
+    history = read_jsonl(backend.model_dir(model) / HISTORY_FILE)
     png = out / "reward_curve.png"
     plot_reward_curve(history, png, title=f"{config.name}: tic-tac-toe reward per step")
     summary = {
