@@ -14,7 +14,7 @@ import hmac
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Secret", "MissingSecretError", "find_secret"]
+__all__ = ["MissingSecretError", "Secret", "find_secret"]
 
 _MASK = "********"
 

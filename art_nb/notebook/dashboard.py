@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .. import events
@@ -60,7 +61,7 @@ class _WarningsToDashboard(logging.Handler):
         try:
             self.dashboard._add_error(f"{record.levelname.lower()}: {record.getMessage()}")
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
-            pass
+            self.handleError(record)
 
 
 class Dashboard:
@@ -282,7 +283,8 @@ class Dashboard:
         self.show()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> bool:
         if error is not None:
             if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
                 self.state.add_error("interrupted: the last complete checkpoint is kept; re-run the cell to resume")

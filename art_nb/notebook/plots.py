@@ -20,7 +20,10 @@ def reward_series(history: Sequence[dict[str, Any]], split: str = "train") -> di
         if record.get("split") == split and f"{split}/reward" in record:
             by_step[int(record["step"])] = record
     steps = sorted(by_step)
-    pick = lambda key: [float(by_step[s].get(f"{split}/{key}", float("nan"))) for s in steps]  # noqa: E731
+
+    def pick(key: str) -> list[float]:
+        return [float(by_step[s].get(f"{split}/{key}", float("nan"))) for s in steps]
+
     return {"step": [float(s) for s in steps], "mean": pick("reward"), "min": pick("reward_min"), "max": pick("reward_max")}
 
 

@@ -37,7 +37,7 @@ async def test_each_choice_is_shown_once(capsys, caplog):
     assert await register_and_show_choices(model, backend) == CHOICES
     assert backend.registered == ["demo"] and model.backend is backend
     shown = capsys.readouterr().out + "".join(f"{r.getMessage()}\n" for r in caplog.records)
-    for key, why in CHOICES.items():
+    for why in CHOICES.values():
         assert shown.count(why) == 1, shown
     assert "— offline copy" not in shown  # the resolver's restatement of the base-model choice
     assert "the GPU is busy" in shown
