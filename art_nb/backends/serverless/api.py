@@ -134,7 +134,8 @@ class ServiceClient:
         return int(data[0]["step"]) if data else 0
 
     async def delete_checkpoints(self, model_id: str, steps: list[int]) -> None:
-        await self.call("DELETE", f"/preview/models/{model_id}/checkpoints", "delete checkpoints", json={"steps": steps})
+        await self.call("DELETE", f"/preview/models/{model_id}/checkpoints", "delete checkpoints",
+                        json={"steps": steps})
 
     async def create_job(self, model_id: str, groups: Iterable[TrajectoryGroup], config: TrainConfig,
                          idempotency_key: str, what: str) -> str:
@@ -152,8 +153,8 @@ class ServiceClient:
         return dict(page or {})
 
     async def log(self, model_id: str, groups: Iterable[TrajectoryGroup], split: str) -> None:
-        await self.call("POST", f"/preview/models/{model_id}/log", "log",
-                        json={"model_id": model_id, "trajectory_groups": [art_group(g) for g in groups], "split": split})
+        body = {"model_id": model_id, "trajectory_groups": [art_group(g) for g in groups], "split": split}
+        await self.call("POST", f"/preview/models/{model_id}/log", "log", json=body)
 
     async def close(self) -> None:
         await self._clients.close()

@@ -144,8 +144,8 @@ class ServerlessBackend:
             await self._finish_pending(model)
         return await self._api.latest_step(remote.id)
 
-    async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup], config: TrainConfig | None = None,
-                    *, on_progress: ProgressCallback | None = None) -> TrainResult:
+    async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup],
+                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None) -> TrainResult:
         groups = gathered_groups(groups)  # checked before anything is written or sent
         registered = self._registered(model)
         async with self._locks[(model.project, model.name)]:
