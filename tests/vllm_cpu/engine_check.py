@@ -5,7 +5,9 @@
 MODEL_DIR: a transformers folder (the main suite passes SmolLM2 from art_nb.models). Each check
 appends to RESULT.json as it goes; the pytest wrapper (test_vllm_engine_cpu.py) asserts on it, so
 a failure names the check. Also compares vLLM's logprobs with transformers' at temperature 1: the
-engine must return raw logprobs, not temperature-scaled ones.
+engine must return raw logprobs, not temperature-scaled ones. Ends with the Engine protocol's shared
+conformance cases (tests/engine_cases.py), each outcome recorded under "conformance"; the last of
+them closes the engine.
 """
 
 from __future__ import annotations
@@ -18,25 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-PROMPT = [{"role": "user", "content": "Name three colours, separated by commas."}]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared engine cases
 
-
-def random_lora(model_dir: Path, out: Path, seed: int) -> Path:
-    """A LoRA with random, non-zero A and B (peft's identity init would change nothing), saved by peft."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    model = get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.2)  # strong enough to change greedy text, not so strong it degenerates
-    model.save_pretrained(out)
-    return out
+from engine_cases import CASES, PROMPT, Subject, random_lora  # noqa: E402
 
 
 def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapter: Path | None = None) -> list[float]:
@@ -132,7 +118,17 @@ async def main(model_dir: Path, result_path: Path) -> None:
     await engine.sleep()  # no-op off CUDA, must not break anything
     await engine.wake()
     save("greedy_after_sleep_wake_equal", await greedy(None) == base)
-    await engine.close()
+
+    outcomes: dict[str, str] = {}
+    subject = Subject(engine, prompt, adapters[0])
+    for case in CASES:
+        try:
+            await case(subject)
+            outcomes[case.__name__] = "ok"
+        except Exception as exc:  # recorded, and the next case still runs: the report names every failure
+            outcomes[case.__name__] = f"{type(exc).__name__}: {exc}"
+        save("conformance", outcomes)
+    await engine.close()  # the last case closed it already; closing again must be harmless
     save("closed", True)
 
 

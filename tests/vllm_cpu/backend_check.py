@@ -1,0 +1,73 @@
+"""A vLLM engine dies behind the real LocalBackend; registering the model again starts a new one.
+Runs under .venv-vllm/bin/python, not pytest:
+
+    .venv-vllm/bin/python tests/vllm_cpu/backend_check.py MODEL_DIR WORK_DIR RESULT.json
+
+The engine is made to really die: vLLM's in-process engine core is shut down on the engine's own
+vLLM thread (as a crash inside it would leave it), so the next request fails in vLLM's step()
+and `dead_reason` turns non-None. What vLLM's error tells the user, "re-register the model", must
+then work: `register` on the same backend replaces the engine and a chat completion through the
+model's OpenAI client succeeds. Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+PROMPT = [{"role": "user", "content": "Name three colours, separated by commas."}]
+
+
+async def main(model_dir: Path, work: Path, result_path: Path) -> None:
+    import openai
+
+    import art_nb as art
+
+    result: dict[str, Any] = {}
+
+    def save(key: str, value: Any) -> None:
+        result[key] = value
+        result_path.write_text(json.dumps(result, indent=1, default=str))
+
+    async def chat() -> Any:
+        return await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=0.0)
+
+    backend = art.LocalBackend(path=work)
+    config = art.ModelConfig(engine="vllm", trainer="peft", max_seq_len=512, max_batch_size=8,
+                             lora=art.LoraConfig(rank=8, alpha=16))
+    model = art.TrainableModel(name="revive", project="vllm-cpu", base_model=str(model_dir), config=config)
+    try:
+        await model.register(backend)
+        first = backend._state(model).engine
+        save("engine", type(first).__name__)
+        before = await chat()
+        save("served_before", {"model": before.model, "text": before.choices[0].message.content})
+
+        core = first._engine.engine_core
+        await asyncio.wrap_future(first._worker.submit(core.shutdown))
+        try:
+            await chat()
+            save("request_after_kill", {"failed": False})
+        except openai.APIStatusError as error:
+            save("request_after_kill", {"failed": True, "status": error.status_code, "message": str(error)})
+        save("dead_reason", first.dead_reason)
+
+        await model.register(backend)  # what re-running the register cell does
+        second = backend._state(model).engine
+        save("replaced", second is not first)
+        save("new_engine", {"type": type(second).__name__, "dead_reason": second.dead_reason})
+        save("choices", backend.choices(model))
+        after = await chat()
+        save("served_after", {"model": after.model, "text": after.choices[0].message.content,
+                              "finish_reason": after.choices[0].finish_reason})
+    finally:
+        await backend.close()
+    save("closed", True)
+
+
+if __name__ == "__main__":  # vLLM may spawn processes: keep the entry point guarded
+    asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])))
