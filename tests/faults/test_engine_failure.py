@@ -28,7 +28,7 @@ async def served(tiny_model_dir: Path, tmp_path: Path):
     model = tiny_trainable("engine-faults", tiny_model_dir)
     await model.register(backend)
     await model.train(await gather_groups(model))  # step 1: the restarted engine must serve it
-    yield backend, model, backend._runtime.models["engine-faults"]
+    yield backend, model, backend._state(model)
     await backend.close()
 
 
