@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .secrets import Secret, find_secret
-from .store import ADAPTER_FILES, META_FILE, checkpoint_steps
+from .store import ADAPTER_FILES, META_FILE, checkpoint_path, checkpoint_steps
 from .types import check_name
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ async def export_model(
         raise FileNotFoundError(f"no checkpoint {step} of {model.name!r} under {checkpoints} (there: "
                                 f"{here or 'none'}); a RemoteBackend's download_checkpoint or a ServerlessBackend's "
                                 "pull_checkpoint brings one to this machine")
-    checkpoint = checkpoints / f"{step:04d}"  # the store's step-directory name
+    checkpoint = checkpoint_path(checkpoints, step)
     options.setdefault("base_model", model.base_model)
     options.setdefault("name", model.name)
     return await asyncio.to_thread(export_adapter, checkpoint, destination, **options)

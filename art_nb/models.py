@@ -66,7 +66,7 @@ def resolve_base_model(base_model: str) -> ResolvedModel:
     tried when a hub id cannot be resolved (with the pip command to fix it where one would).
     """
     resolved = _resolve(base_model)
-    logger.info("base model %s: %s (%s) — %s", base_model, resolved.path, resolved.source, resolved.reason)
+    logger.debug("base model %s: %s (%s) — %s", base_model, resolved.path, resolved.source, resolved.reason)
     return resolved
 
 

@@ -20,6 +20,7 @@ readers skip lines that do not parse.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -34,14 +35,17 @@ from .types import check_name
 __all__ = [
     "ADAPTER_FILES",
     "CheckpointError",
+    "StoreLockedError",
     "HISTORY_FILE",
     "META_FILE",
     "ModelStore",
     "TRAINER_STATE",
     "check_name",
+    "checkpoint_path",
     "checkpoint_steps",
     "model_dir",
     "read_jsonl",
+    "trajectory_files",
 ]
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what an engine serves (PEFT's format)
@@ -49,11 +53,16 @@ TRAINER_STATE = "trainer_state.pt"  # optimizer + RNG state, loaded with weights
 META_FILE = "meta.json"
 HISTORY_FILE = "history.jsonl"
 _STEP_DIR = re.compile(r"^\d{4,}$")
+_STEP_FILE = re.compile(r"^(\d{4,})\.jsonl$")
 _TMP_PREFIX = ".tmp-"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (the previous one is intact) or read."""
+
+
+class StoreLockedError(RuntimeError):
+    """Another process (or backend) writes this model directory; names its pid."""
 
 
 def model_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
@@ -66,6 +75,27 @@ def checkpoint_steps(checkpoints: Path) -> list[int]:
     if not checkpoints.is_dir():
         return []
     return sorted(int(p.name) for p in checkpoints.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+
+
+def checkpoint_path(checkpoints: Path, step: int) -> Path:
+    """The directory of checkpoint `step` under a `checkpoints/` directory (it may not exist)."""
+    if step < 0:
+        raise ValueError(f"step must be 0 or more, got {step}")
+    return checkpoints / f"{step:04d}"
+
+
+def trajectory_files(model_dir: Path) -> list[tuple[str, int, Path]]:
+    """(split, step, path) of every trajectories file under a model directory, newest step first, train first."""
+    root = model_dir / "trajectories"
+    found = []
+    if root.is_dir():
+        for split_dir in root.iterdir():
+            if split_dir.is_dir():
+                for file in split_dir.iterdir():
+                    match = _STEP_FILE.match(file.name)
+                    if match:
+                        found.append((split_dir.name, int(match.group(1)), file))
+    return sorted(found, key=lambda item: (-item[1], item[0] != "train", item[0]))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -99,7 +129,42 @@ class ModelStore:
         self.dir = model_dir(root, project, name)
         self.checkpoints = self.dir / "checkpoints"
         self.checkpoints.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = None
+
+    # ---- one writer per model directory ------------------------------------------------------
+
+    def acquire_writer(self) -> None:
+        """Become the one writer of this model directory, then remove temporaries left by a crash.
+
+        An OS file lock (flock on `.writer.lock`, holding the writer's pid), so the kernel releases
+        it when the writer dies, however it dies. A second writer (another `art-nb serve`, a notebook
+        on the same path) would train from a stale step and overwrite checkpoints; it gets
+        `StoreLockedError` naming the holder instead. Only the writer removes temporaries: a reader
+        never deletes a checkpoint another process is staging.
+        """
+        if self._lock_fd is not None:
+            return
+        path = self.dir / ".writer.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(
+                f"{self.dir} is being written by another process (pid {holder}): two writers would train from "
+                "stale steps and overwrite each other's checkpoints. Stop that one (or its notebook kernel), or "
+                "use another path or model name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
         self._remove_temporaries()
+
+    def release_writer(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -116,7 +181,7 @@ class ModelStore:
         return steps[-1] if steps else None
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.checkpoints / f"{step:04d}"
+        return checkpoint_path(self.checkpoints, step)
 
     def stage_checkpoint(self, step: int, write: Callable[[Path], None]) -> Path:
         """Call `write(tmp_dir)` on a fresh temporary directory and return it, not yet a checkpoint.
@@ -211,6 +276,8 @@ class ModelStore:
         return read_jsonl(self.dir / HISTORY_FILE)
 
     def trajectory_file(self, split: str, step: int) -> Path:
+        if step < 0:
+            raise ValueError(f"step must be 0 or more, got {step}")
         return self.dir / "trajectories" / check_name("split", split) / f"{step:04d}.jsonl"
 
     def append_trajectories(self, split: str, step: int, records: Iterable[dict[str, Any]]) -> Path:

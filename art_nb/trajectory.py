@@ -23,7 +23,15 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message", "check_groups", "gathered_groups"]
 

@@ -15,7 +15,13 @@ from typing import Protocol, runtime_checkable
 
 from ..config import TrainConfig
 from ..trajectory import Trajectory, TrajectoryGroup
-from ..types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
+from ..types import (
+    InferenceEndpoint,
+    ModelRef,
+    ProgressCallback,
+    TrainableModelRef,
+    TrainResult,
+)
 
 __all__ = ["Backend", "InferenceEndpoint", "ProgressCallback", "TrainResult"]
 

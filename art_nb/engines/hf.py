@@ -35,7 +35,13 @@ import torch
 from transformers import DynamicCache
 
 from . import hf_model
-from .base import ContextTooLongError, EngineDeadError, EngineError, GenerationRequest, Sample
+from .base import (
+    ContextTooLongError,
+    EngineDeadError,
+    EngineError,
+    GenerationRequest,
+    Sample,
+)
 from .hf_batch import (
     AdapterTable,
     Batch,
@@ -51,8 +57,8 @@ from .hf_batch import (
 )
 
 if TYPE_CHECKING:
-    from ..backends.local.plan import Plan
     from ..config import ModelConfig
+    from ..plan import Plan
 
 __all__ = ["EngineStats", "HFEngine"]
 
@@ -99,7 +105,7 @@ class HFEngine:
         `plan` (`plan_for(config)` when None) gives the device, the dtype the trainer shares and the
         CPU thread count; `device` overrides the plan's device (tests), not its dtype.
         """
-        from ..backends.local.plan import plan_for
+        from ..plan import plan_for
 
         plan = plan or plan_for(config)
         dev = torch.device(device or plan.device)
@@ -107,7 +113,7 @@ class HFEngine:
         if dev.type == "cpu" and plan.cpu_threads is not None:
             threads = plan.cpu_threads
             torch.set_num_threads(threads)
-        logger.info("HF engine: %s on %s, %d torch thread(s)", plan.dtype, dev, threads)
+        logger.debug("HF engine: %s on %s, %d torch thread(s)", plan.dtype, dev, threads)
         model, tokenizer = await asyncio.to_thread(hf_model.load, Path(model_path), plan.torch_dtype(), dev)
         return cls(model, tokenizer, config, dev, threads)
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from .._compat import quiet_checkpointing_alias
+
 __all__ = ["cache_keyword", "context_window", "eos_ids", "last_logits", "load", "move", "with_adapter",
            "without_adapters"]
 
@@ -35,7 +37,7 @@ def context_window(model: Any, max_seq_len: int) -> int:
 def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
     """Every id that ends a sequence: the tokenizer's EOS and the generation config's (often a list)."""
     ids: set[int] = set()
-    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):  # third-party
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):  # third-party: may be unset
         if isinstance(value, int):
             ids.add(value)
         elif value:
@@ -67,7 +69,7 @@ def with_adapter(model: Any, name: str, path: Path, device: torch.device) -> Any
     """`model` with the PEFT adapter in `path` added as `name` (the first one wraps it in a PeftModel)."""
     from peft import PeftModel
 
-    with torch.no_grad():
+    with torch.no_grad(), quiet_checkpointing_alias():
         if _is_peft(model):
             model.load_adapter(str(path), adapter_name=name, is_trainable=False)
         else:

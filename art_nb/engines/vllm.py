@@ -38,11 +38,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import ModelConfig
-from .base import ContextTooLongError, EngineDeadError, EngineError, GenerationRequest, Sample, SamplingParams
+from .base import (
+    ContextTooLongError,
+    EngineDeadError,
+    EngineError,
+    GenerationRequest,
+    Sample,
+    SamplingParams,
+)
 from .vllm_plan import VLLMSetup, capped_memory, engine_args
 
 if TYPE_CHECKING:
-    from ..backends.local.plan import Plan
+    from ..plan import Plan
 
 __all__ = ["VLLMEngine", "VLLMSetup", "capped_memory", "engine_args"]
 
@@ -87,7 +94,7 @@ class VLLMEngine:
         """
         from transformers import AutoTokenizer
 
-        from ..backends.local.plan import plan_for
+        from ..plan import plan_for
         from ..versions import check_versions
 
         plan = plan or plan_for(config)

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelConfig
-from ..memory import VLLM_STEP_TOKENS, ModelShape, count_parameters, plan_gpu_memory, read_model_shape
+from ..memory import (
+    VLLM_STEP_TOKENS,
+    ModelShape,
+    count_parameters,
+    plan_gpu_memory,
+    read_model_shape,
+)
 from .base import EngineError
 
 __all__ = ["VLLMSetup", "capped_memory", "engine_args"]
@@ -102,7 +108,7 @@ def capped_memory(free: int, total: int, fraction: float, reserved: int) -> tupl
 
 def _default_dtype(config: ModelConfig, on_cuda: bool) -> tuple[str, str]:
     """The `Plan`'s dtype rule, for callers (benchmarks) that build no `Plan`."""
-    from ..backends.local.plan import compute_dtype, cuda_capability
+    from ..plan import compute_dtype, cuda_capability
 
     return compute_dtype(config.dtype, "cuda" if on_cuda else "cpu", cuda_capability() if on_cuda else None)
 

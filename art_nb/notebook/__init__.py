@@ -13,7 +13,13 @@ if TYPE_CHECKING:
     from .dashboard import Dashboard
     from .evaluation import Comparison, compare
     from .export_view import show_export
-    from .hardware import Hardware, NotebookDefaults, detect_hardware, in_colab, pick_defaults
+    from .hardware import (
+        Hardware,
+        NotebookDefaults,
+        detect_hardware,
+        in_colab,
+        pick_defaults,
+    )
     from .summary import TrainingSummary, summary_from_model_dir
     from .viewer import show_trajectory
 

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..backends.local.plan import compute_dtype
 from ..models import TINY_MODEL
+from ..plan import compute_dtype
 from ..versions import gpu_path_for, installed_version
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     assert hw.gpu_capability is not None and hw.gpu_memory_gib is not None
     groups, rollouts, seq = _TASK_SHAPES[task]["gpu"]
     engine, engine_why = gpu_path_for(hw.gpu_capability, hw.vllm_version)
-    # The rule the trainer and the engines follow (backends/local/plan.py): the notebook shows what runs.
+    # The rule the trainer and the engines follow (art_nb/plan.py): the notebook shows what runs.
     dtype, dtype_why = compute_dtype("auto", "cuda", hw.gpu_capability)
     if hw.gpu_capability < (8, 0):
         # The transformers engine generates far slower than vLLM: a 0.5B model keeps a step near a minute.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..store import HISTORY_FILE, checkpoint_steps, read_jsonl
+from ..store import HISTORY_FILE, checkpoint_path, checkpoint_steps, read_jsonl
 from .state import RunState
 
 __all__ = ["TrainingSummary", "load_run_files", "summarize", "summary_from_model_dir"]
@@ -123,7 +123,7 @@ def load_run_files(state: RunState, model_dir: Path) -> None:
     checkpoints = model_dir / "checkpoints"
     steps = checkpoint_steps(checkpoints)
     if steps:
-        state.latest_checkpoint = str(checkpoints / f"{steps[-1]:04d}")  # the store's step-directory name
+        state.latest_checkpoint = str(checkpoint_path(checkpoints, steps[-1]))
         state.served_step = steps[-1]
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..store import read_jsonl
+from ..store import read_jsonl, trajectory_files
 
 if TYPE_CHECKING:
     from ..trajectory import Trajectory
@@ -32,21 +31,11 @@ __all__ = [
 
 _ROLE_COLORS = {"system": "#6b7280", "user": "#2563eb", "assistant": "#059669", "tool": "#b45309",
                 "developer": "#6b7280"}
-_STEP_FILE = re.compile(r"^(\d{4,})\.jsonl$")
 
 
 def list_trajectory_files(model_dir: str | Path) -> list[tuple[str, int, Path]]:
     """(split, step, path) of every trajectories file under `model_dir`, newest step first, train first."""
-    root = Path(model_dir) / "trajectories"
-    found = []
-    if root.is_dir():
-        for split_dir in root.iterdir():
-            if split_dir.is_dir():
-                for file in split_dir.iterdir():
-                    match = _STEP_FILE.match(file.name)
-                    if match:
-                        found.append((split_dir.name, int(match.group(1)), file))
-    return sorted(found, key=lambda item: (-item[1], item[0] != "train", item[0]))
+    return trajectory_files(Path(model_dir))
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Whether the Unsloth trainer can run here, asked without importing Unsloth (~40 s) or the trainers.
 
-Its own module so the plan (backends/local/plan.py), which asks this before choosing a trainer,
+Its own module so the plan (art_nb/plan.py), which asks this before choosing a trainer,
 does not import the trainer classes, which are built from a plan: the two would import each other.
 """
 

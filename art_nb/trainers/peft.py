@@ -2,7 +2,7 @@
 
 The model stays resident between steps (loading it is the slow part). The GRPO math is
 `art_nb.grpo`, shared with the Unsloth trainer; this file only owns weights, optimizer and files.
-Device, dtype and 4-bit come from the model's `Plan` (backends/local/plan.py): the trainer does
+Device, dtype and 4-bit come from the model's `Plan` (art_nb/plan.py): the trainer does
 not decide them, so it trains in the dtype the engine serves in.
 
 4-bit (`plan.load_in_4bit`, CUDA only): the base loads as bitsandbytes NF4 (double-quantised,
@@ -23,22 +23,21 @@ non-finite weights or optimizer state.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import pickle
 import random
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..backends.local.plan import Plan, plan_for
+from .._compat import quiet_checkpointing_alias
 from ..config import ModelConfig, TrainConfig
 from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
+from ..plan import Plan, plan_for
 from ..store import TRAINER_STATE, CheckpointError
 from ..trajectory import TrajectoryGroup
 from ..types import ProgressCallback
@@ -60,7 +59,7 @@ class PeftTrainer:
         self.config = config
         dtype_reason = self.plan.reasons.get("dtype", self.plan.dtype)
         four_bit = f"; {self.plan.reasons.get('load_in_4bit', '4-bit base')}" if self.plan.load_in_4bit else ""
-        _log.info("trainer: %s on %s, %s%s", self.name, self.device, dtype_reason, four_bit)
+        _log.debug("trainer: %s on %s, %s%s", self.name, self.device, dtype_reason, four_bit)
         torch.manual_seed(config.seed)
         # The tokenizer the server and the engine use: tokens trained must be tokens served.
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -219,21 +218,6 @@ class PeftTrainer:
             if state.get("python_rng") is not None:
                 python_rng = state["python_rng"]
                 random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
-
-
-@contextlib.contextmanager
-def quiet_checkpointing_alias() -> Iterator[None]:
-    """Hide the one FutureWarning peft's LoRA wrapping causes, for the length of the wrapping.
-
-    peft (0.21) reads `model.is_gradient_checkpointing` while wrapping a model, an alias that
-    transformers 5 deprecated with a FutureWarning; the user did nothing to cause it and can do
-    nothing about it. Only that message is filtered, only while the wrap runs. (`catch_warnings`
-    swaps the process's filter list: a wrap is short and happens at load, when little else warns.)
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
-                                category=FutureWarning)
-        yield
 
 
 def _to_cpu(state: Any) -> Any:

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from ..backends.local.plan import Plan
+from .._compat import quiet_checkpointing_alias
 from ..config import ModelConfig
+from ..plan import Plan
 from .availability import unsloth_unavailable_reason
-from .peft import PeftTrainer, quiet_checkpointing_alias
+from .peft import PeftTrainer
 
 __all__ = ["UnslothTrainer", "unsloth_unavailable_reason"]  # the reason re-exported from its old home
 

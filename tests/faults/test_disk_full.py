@@ -14,7 +14,7 @@ import errno
 import hashlib
 import os
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,14 @@ from safetensors import SafetensorError
 
 import art_nb as art
 from art_nb.store import CheckpointError, ModelStore
-from faults.conftest import Zygote, adapter_equals_checkpoint, gather_groups, read_events, rollout, tiny_trainable
+from faults.conftest import (
+    Zygote,
+    adapter_equals_checkpoint,
+    gather_groups,
+    read_events,
+    rollout,
+    tiny_trainable,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,6 @@ import json
 import random
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch

@@ -6,15 +6,13 @@ module; the cases run in order and the last one closes it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import pytest_asyncio
+from engine_cases import CASES, Subject, chat_prompt, random_lora
 
 from art_nb.config import ModelConfig
 from art_nb.engines.hf import HFEngine
 from art_nb.models import TINY_MODEL, resolve_base_model
-from engine_cases import CASES, Subject, chat_prompt, random_lora
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from art_nb.backends.local.plan import Plan
+from art_nb.plan import Plan
 from art_nb.config import ModelConfig
 from art_nb.engines.base import (
     ContextTooLongError,

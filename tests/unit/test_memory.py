@@ -135,31 +135,3 @@ def test_a_capped_process_plans_within_its_cap():
     assert total == int(15 / 140 * 140 * GiB) and free == total - 2 * GiB
     assert capped_memory(1 * GiB, 140 * GiB, 0.5, 0) == (1 * GiB, 70 * GiB)  # the device is fuller than the cap
     assert capped_memory(10 * GiB, 140 * GiB, 0.1, 20 * GiB)[0] == 0  # torch already holds more than the cap
-
-
-def _fake_model_dir(path, params: int):
-    """config.json of SmolLM2's shape and a safetensors header holding `params` parameters (no data needed)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
-        "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 8192,
-    }))
-    header = {"w": {"dtype": "BF16", "shape": [params], "data_offsets": [0, 2 * params]}}
-    blob = json.dumps(header).encode()
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
-    return path
-
-
-@pytest.mark.parametrize("setting", [None, True, False])
-def test_engine_args_on_a_gpu_choose_sleep_and_step_size(tmp_path, setting):
-    from art_nb.config import ModelConfig
-    from art_nb.engines.vllm import _plan_engine
-
-    model_dir = _fake_model_dir(tmp_path / "m", SMOL_PARAMS)
-    config = ModelConfig(dtype="bfloat16", max_seq_len=2048, sleep_during_training=setting)
-    kwargs, reasons, awake = _plan_engine(model_dir, config, True, True, (140 * GiB, 141 * GiB))
-    assert kwargs["enable_sleep_mode"] and kwargs["max_num_batched_tokens"] == 8192
-    assert 0 < kwargs["gpu_memory_utilization"] < 0.1
-    assert awake is (True if setting is None else not setting)  # 135M on an H200: awake unless told otherwise
-    if setting is not None:
-        assert any("ModelConfig.sleep_during_training" in r for r in reasons)

@@ -1,9 +1,12 @@
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from art_nb.store import CheckpointError, ModelStore, check_name
+from art_nb.store import CheckpointError, ModelStore, StoreLockedError, check_name
 
 
 def write_files(directory):
@@ -52,8 +55,40 @@ def test_leftover_temporaries_are_removed_on_open(tmp_path):
     leftover = store.checkpoints / ".tmp-0003-123-456"
     leftover.mkdir()
     (leftover / "adapter_model.safetensors").write_bytes(b"half")
-    ModelStore(tmp_path, "proj", "m1")
-    assert not leftover.exists()
+    reader = ModelStore(tmp_path, "proj", "m1")
+    assert leftover.exists()  # a reader never deletes what may be another process's staging
+    writer = ModelStore(tmp_path, "proj", "m1")
+    writer.acquire_writer()
+    assert not leftover.exists()  # the writer knows no other writer is alive: a crash left it
+    writer.release_writer()
+    assert reader.steps() == []
+
+
+def test_one_writer_per_model_directory(tmp_path):
+    first, second = ModelStore(tmp_path, "proj", "m1"), ModelStore(tmp_path, "proj", "m1")
+    first.acquire_writer()
+    with pytest.raises(StoreLockedError, match=f"another process \\(pid {os.getpid()}\\)"):
+        second.acquire_writer()
+    first.release_writer()
+    second.acquire_writer()  # released: the next writer gets it
+    second.release_writer()
+
+
+def test_the_writer_lock_dies_with_its_process(tmp_path):
+    """SIGKILL the holder: the kernel releases the lock, and the next writer takes it at once."""
+    code = ("import sys, time; from art_nb.store import ModelStore; s = ModelStore(sys.argv[1], 'proj', 'm1'); "
+            "s.acquire_writer(); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"):
+            ModelStore(tmp_path, "proj", "m1").acquire_writer()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    store = ModelStore(tmp_path, "proj", "m1")
+    store.acquire_writer()
+    store.release_writer()
 
 
 def test_rewriting_a_step_swaps_atomically(tmp_path):

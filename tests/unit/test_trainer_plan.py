@@ -17,8 +17,8 @@ import torch
 from conftest import make_choice
 from faults.tiny import build_tiny_model, tiny_model_config
 
-from art_nb.backends.local import plan as plan_module
-from art_nb.backends.local.plan import Plan, compute_dtype, plan_for
+from art_nb import plan as plan_module
+from art_nb.plan import Plan, compute_dtype, plan_for
 from art_nb.config import TrainConfig
 from art_nb.notebook.hardware import Hardware, pick_defaults
 from art_nb.trainers.peft import PeftTrainer

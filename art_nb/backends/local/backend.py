@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 
 from ...config import TrainConfig
 from ...trajectory import Trajectory, TrajectoryGroup, gathered_groups
-from ...types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
+from ...types import (
+    InferenceEndpoint,
+    ModelRef,
+    ProgressCallback,
+    TrainableModelRef,
+    TrainResult,
+    inference_name,
+)
 from .loop import BackgroundLoop
 from .runtime import forget, runtime_for
 from .state import ModelState, TrainingStoppedError
@@ -79,7 +86,8 @@ class LocalBackend:
         return InferenceEndpoint(base_url=self._runtime.base_url, api_key=self._runtime.api_key)
 
     def inference_model_name(self, model: ModelRef, step: int | None = None) -> str:
-        return inference_name(model.name, step)
+        """`name` (or `project/name` when another project registered that name first), `@step` for a checkpoint."""
+        return inference_name(self._runtime.served_name(model.project, model.name), step)
 
     async def get_step(self, model: TrainableModelRef) -> int:
         return self._runtime.state(model).step

@@ -13,7 +13,8 @@ import atexit
 import contextlib
 import logging
 import secrets
-from collections.abc import Iterable
+import threading
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,9 +31,9 @@ from .state import ModelState
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
+    from ...plan import Plan
     from ...server import InferenceGate, RunningServer, ServedModel
     from ...trainers.base import Trainer
-    from .plan import Plan
 
 __all__ = ["Runtime", "runtime_for"]
 
@@ -66,6 +67,7 @@ class Runtime:
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.loop = BackgroundLoop()
         self.models: dict[tuple[str, str], ModelState] = {}  # (project, name)
+        self._registering: dict[tuple[str, str], asyncio.Lock] = {}
         self.engines: dict[tuple[str, str], Engine] = {}  # (base model path, engine kind)
         self.server: RunningServer | None = None
         self.gate: InferenceGate | None = None
@@ -87,8 +89,7 @@ class Runtime:
     async def resolve(self, model_name: str) -> ServedModel:
         from ...server import ServedModel
 
-        name, _, step_text = model_name.partition("@")
-        state = next((s for s in self.models.values() if s.model_name == name), None)
+        state, step_text = self._served(model_name)
         if state is None or (step_text and not step_text.isdigit()):
             raise KeyError(model_name)
         step = int(step_text) if step_text else state.step
@@ -104,9 +105,27 @@ class Runtime:
     def list_models(self) -> list[str]:
         names = []
         for state in self.models.values():
-            names.append(state.model_name)
-            names.extend(state.adapter_name(s) for s in sorted(set(state.store.steps()) | state.loaded_adapters))
+            prefix = "" if self.served_name(state.project, state.model_name) == state.model_name else f"{state.project}/"
+            names.append(prefix + state.model_name)
+            names.extend(prefix + state.adapter_name(s) for s in sorted(set(state.store.steps()) | state.loaded_adapters))
         return names
+
+    def served_name(self, project: str, name: str) -> str:
+        """`name`, or `project/name` when an earlier registered model of another project has that name.
+
+        Models are keyed by (project, name); the endpoint addresses them by name, so the first model
+        registered under a name keeps it and a later one of another project is `project/name`.
+        `project/name` is always accepted.
+        """
+        first = next((s for s in self.models.values() if s.model_name == name), None)
+        return name if first is None or first.project == project else f"{project}/{name}"
+
+    def _served(self, model_name: str) -> tuple[ModelState | None, str]:
+        qualified, _, step_text = model_name.partition("@")
+        project, _, name = qualified.rpartition("/")
+        if project:
+            return self.models.get((project, name)), step_text
+        return next((s for s in self.models.values() if s.model_name == name), None), step_text
 
     # ---- models -------------------------------------------------------------------------------
 
@@ -117,24 +136,25 @@ class Runtime:
         return state
 
     async def register(self, model: TrainableModelRef) -> dict[str, str]:
+        """Load `model` once, however many registers of it run at once; reuse it afterwards."""
         await self.ensure_server()
-        state = self.models.get((model.project, model.name))
-        if state is not None:
-            if state.base_model != model.base_model or state.config != model.config:
-                raise ValueError(
-                    f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
-                    "different config; use a new name, or restart the kernel to change it"
-                )
-            if state.engine.dead_reason is not None:
-                await self._replace_engine(state)
+        key = (model.project, model.name)
+        async with self._registering.setdefault(key, asyncio.Lock()):
+            state = self.models.get(key)
+            if state is not None:
+                if state.base_model != model.base_model or state.config != model.config:
+                    raise ValueError(
+                        f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
+                        "different config; use a new name, or restart the kernel to change it"
+                    )
+                if state.engine.dead_reason is not None:
+                    async with loading_alone():
+                        await self._replace_engine(state)
+                return state.choices
+            async with loading_alone():
+                state = await self._load(model)
+            self.models[key] = state
             return state.choices
-        clash = next((s for s in self.models.values() if s.model_name == model.name), None)
-        if clash is not None:  # the endpoint serves models by name
-            raise ValueError(f"a model named {model.name!r} is already registered here for project "
-                             f"{clash.project!r}; served names must be unique per backend: pick another name")
-        state = await self._load(model)
-        self.models[(model.project, model.name)] = state
-        return state.choices
 
     async def _replace_engine(self, state: ModelState) -> None:
         """Start a new engine in place of a dead one (for every model it served) and load the latest adapter."""
@@ -162,21 +182,25 @@ class Runtime:
 
     async def _load(self, model: TrainableModelRef) -> ModelState:
         from ...models import resolve_base_model
-        from .plan import plan_for
+        from ...plan import plan_for
 
         store = ModelStore(self.path, model.project, model.name)
-        resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
-        plan = plan_for(model.config)
-        choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
-        for key, why in choices.items():
-            _log.info("%s: %s", key, why)
-
-        engine_key = (str(resolved.path), plan.engine)
-        engine = self.engines.get(engine_key)
-        if engine is None:
-            engine = await _create_engine(plan, resolved.path, model.config)
-            self.engines[engine_key] = engine
-        trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.config)
+        store.acquire_writer()  # before anything is read: another writer would make what we read stale
+        try:
+            resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
+            plan = plan_for(model.config)
+            choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
+            for key, why in choices.items():
+                _log.info("%s: %s", key, why)
+            engine_key = (str(resolved.path), plan.engine)
+            engine = self.engines.get(engine_key)
+            if engine is None:
+                engine = await _create_engine(plan, resolved.path, model.config)
+                self.engines[engine_key] = engine
+            trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.config)
+        except BaseException:
+            store.release_writer()
+            raise
 
         step = store.latest_step()
         if step is None:  # a new model: its fresh LoRA is checkpoint 0, so resume always has a start
@@ -232,11 +256,37 @@ class Runtime:
                     _log.error("%s", error)
         for engine in self.engines.values():
             await engine.close()
+        for state in self.models.values():
+            state.store.release_writer()
         self.engines.clear()
         self.models.clear()
         if self.server is not None:
             await self.server.stop()
             self.server = None
+
+
+_LOADING = threading.Lock()
+
+
+@contextlib.asynccontextmanager
+async def loading_alone() -> AsyncIterator[None]:
+    """One model load at a time in this process, across every runtime and thread.
+
+    Loading with transformers swaps process-wide state while it builds a model (weights first made
+    on the meta device, then filled in): two loads in threads at once corrupted each other ("Cannot
+    copy out of meta tensor"), and every later one. Waiting is done in a thread so the loop serves
+    meanwhile; a waiter cancelled before it got the lock hands it back as soon as it gets it.
+    """
+    acquired = asyncio.get_running_loop().run_in_executor(None, _LOADING.acquire)
+    try:
+        await asyncio.shield(acquired)
+    except asyncio.CancelledError:
+        acquired.add_done_callback(lambda _: _LOADING.release())
+        raise
+    try:
+        yield
+    finally:
+        _LOADING.release()
 
 
 def finish_checkpoints() -> None:

@@ -14,8 +14,8 @@ from ...types import inference_name
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
+    from ...plan import Plan
     from ...trainers.base import Trainer
-    from .plan import Plan
 
 __all__ = ["ModelState", "StepControl", "TrainingStoppedError"]
 

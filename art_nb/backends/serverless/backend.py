@@ -30,12 +30,25 @@ from ... import events, store
 from ...config import TrainConfig
 from ...records import as_groups, record_groups
 from ...secrets import Secret, find_secret
-from ...store import ADAPTER_FILES, META_FILE, ModelStore, checkpoint_steps
+from ...store import ADAPTER_FILES, META_FILE, ModelStore, checkpoint_path, checkpoint_steps
 from ...trajectory import Trajectory, TrajectoryGroup, gathered_groups
-from ...types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
+from ...types import (
+    InferenceEndpoint,
+    ModelRef,
+    ProgressCallback,
+    TrainableModelRef,
+    TrainResult,
+)
 from .._http import RetryPolicy
 from ..base import Backend
-from .api import API_KEY_ENV, DEFAULT_BASE_URL, RemoteModel, ServerlessError, ServiceClient, TrainingJobFailed
+from .api import (
+    API_KEY_ENV,
+    DEFAULT_BASE_URL,
+    RemoteModel,
+    ServerlessError,
+    ServiceClient,
+    TrainingJobFailed,
+)
 from .artifacts import ArtifactRef, ArtifactStore, WandbArtifacts
 
 __all__ = ["HandedOffModel", "ServerlessBackend"]
@@ -310,7 +323,7 @@ class ServerlessBackend:
             raise ServerlessError(
                 f"{model.name!r} already has checkpoint {remote_steps[-1]} on the service (local: {step}); hand off "
                 "under a new model name, or pull the service's checkpoint instead")
-        ref = await self.push_checkpoint(model, checkpoints / f"{step:04d}", step)  # the store's step-directory name
+        ref = await self.push_checkpoint(model, checkpoint_path(checkpoints, step), step)
         _log.info("handed off %s step %d as %s", model.name, step, ref.uri)
         await model.register(self)
         return step

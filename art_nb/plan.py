@@ -15,7 +15,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...config import ModelConfig
+from .config import ModelConfig
 
 __all__ = ["Plan", "compute_dtype", "cuda_capability", "plan_for"]
 
@@ -75,7 +75,7 @@ def plan_for(config: ModelConfig) -> Plan:
         reasons["load_in_4bit"] = _four_bit_reason(device, trainer)
     threads = None
     if device == "cpu":
-        from ..._threads import choose_cpu_threads
+        from ._threads import choose_cpu_threads
 
         threads, reasons["cpu_threads"] = choose_cpu_threads(config.cpu_threads)
     return Plan(device, dtype, engine, trainer, config.load_in_4bit, threads, capability, reasons)
@@ -87,7 +87,7 @@ def _engine(config: ModelConfig, capability: tuple[int, int] | None) -> tuple[st
         return config.engine, f"{config.engine}: set in ModelConfig.engine"
     if capability is None:
         return "hf", "transformers: no CUDA GPU, vLLM needs one"
-    from ...versions import gpu_path_for, installed_version
+    from .versions import gpu_path_for, installed_version
 
     return gpu_path_for(capability, installed_version("vllm"))
 
@@ -97,7 +97,7 @@ def _trainer(config: ModelConfig, device: str) -> tuple[str, str]:
         return config.trainer, f"{config.trainer}: set in ModelConfig.trainer"
     if device != "cuda":
         return "peft", "peft: no CUDA GPU, Unsloth needs one"
-    from ...trainers.unsloth import unsloth_unavailable_reason
+    from .trainers.availability import unsloth_unavailable_reason
 
     reason = unsloth_unavailable_reason()
     if reason is not None:
