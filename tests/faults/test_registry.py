@@ -1,7 +1,8 @@
 """Registering at once, twice, from two writers, and across projects: what the registry must hold.
 
 Found by probing `art-nb serve` (issue 13): four registers at once corrupted model loading for the
-whole process ("Cannot copy out of meta tensor"), a second writer on the same path trained from a
+whole process ("Cannot copy out of meta tensor": shown on the real weights in
+tests/integration/test_concurrent_register.py; the tiny model here loads too fast to race), a second writer on the same path trained from a
 stale step and replaced checkpoints, and two projects' models of one name trained into one
 directory. Real LocalBackend, real loads (the tiny Llama), real file locks.
 """
@@ -9,6 +10,7 @@ directory. Real LocalBackend, real loads (the tiny Llama), real file locks.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,27 @@ from faults.conftest import gather_groups, tiny_trainable
 pytestmark = pytest.mark.slow
 
 
-async def test_concurrent_registers_of_different_models_all_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+async def test_concurrent_registers_of_different_models_all_load(tiny_model_dir: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads never overlap (they did, and corrupted each other), and every register succeeds."""
+    inside, most = [0], [0]
+    real_create = runtime_module._create_trainer
+
+    def watched_create(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.3)  # long enough for an unserialised second load to start meanwhile
+            return real_create(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(runtime_module, "_create_trainer", watched_create)
     backend = art.LocalBackend(path=tmp_path)
     models = [tiny_trainable(f"m{i}", tiny_model_dir) for i in range(4)]
     try:
         await asyncio.gather(*(m.register(backend) for m in models))
+        assert most[0] == 1, f"{most[0]} model loads ran at once"
         for model in models:  # each serves, and a later register in this process still works
             reply = await model.openai_client().chat.completions.create(
                 model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
