@@ -8,7 +8,7 @@ files a dashboard reads look the same whichever backend trained the model.
 from __future__ import annotations
 
 import math
-import statistics
+import sys
 import time
 from typing import Any
 
@@ -16,7 +16,7 @@ from . import events
 from .store import ModelStore
 from .trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["as_groups", "record_groups", "record_metrics", "summarize", "trajectory_record"]
+__all__ = ["as_groups", "mean_and_std", "record_groups", "record_metrics", "summarize", "trajectory_record"]
 
 
 def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
@@ -32,6 +32,20 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
     }
 
 
+def mean_and_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std of finite values, computed on values divided by the largest magnitude so
+    huge ones (rewards of 1e308) do not overflow on the way; a result too large for a float is capped."""
+    size = max((abs(v) for v in values), default=0.0) or 1.0
+    unit = [v / size for v in values]
+    mean = sum(unit) / len(unit)
+    std = math.sqrt(sum((u - mean) ** 2 for u in unit) / len(unit))
+    return _capped(mean * size), _capped(std * size)
+
+
+def _capped(value: float) -> float:
+    return max(-sys.float_info.max, min(sys.float_info.max, value))
+
+
 def summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
     """Reward mean/std/min/max, the mean of every trajectory metric, and the exception count."""
     trajectories = [t for g in groups for t in g.trajectories]
@@ -39,8 +53,7 @@ def summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
     summary: dict[str, float] = {"trajectories": float(len(trajectories))}
     summary["exceptions"] = float(sum(len(g.exceptions) for g in groups))
     if rewards:
-        summary["reward"] = statistics.fmean(rewards)
-        summary["reward_std"] = statistics.pstdev(rewards)
+        summary["reward"], summary["reward_std"] = mean_and_std(rewards)
         summary["reward_min"] = min(rewards)
         summary["reward_max"] = max(rewards)
     keys = sorted({k for t in trajectories for k in t.metrics})
@@ -48,7 +61,7 @@ def summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
         values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
         values = [v for v in values if math.isfinite(v)]
         if values:
-            summary[key] = statistics.fmean(values)
+            summary[key] = mean_and_std(values)[0]
     return summary
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..config import TrainConfig
+from ..records import mean_and_std
 from ..trajectory import TrajectoryGroup
 from .tokens import TokenizedTrajectory, tokenize_trajectory
 
@@ -28,11 +29,21 @@ __all__ = ["group_advantages", "PreparedBatch", "prepare_batch"]
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """`(r - mean) / (std + eps)` with the population std, or just `r - mean` when not `scale`."""
-    centered = rewards - rewards.mean()
-    if not scale:
-        return centered
-    return centered / (rewards.std(correction=0) + eps)
+    """`(r - mean) / (std + eps)` with the population std, or just `r - mean` when not `scale`.
+
+    Computed on rewards divided by their largest magnitude, so any finite rewards give finite
+    advantages: squaring a reward of 1e200 overflows float64 (std inf, advantages 0 or NaN).
+    The result is the same formula; only `eps` is in reward units, divided likewise.
+    """
+    size = rewards.abs().max()
+    if not torch.isfinite(size) or size == 0:
+        size = torch.ones((), dtype=rewards.dtype)
+    unit = rewards / size
+    centered = unit - unit.mean()
+    if not scale:  # r - mean itself can exceed float64 (1.7e308 - -1.7e308): the nearest finite value
+        biggest = torch.finfo(rewards.dtype).max
+        return (centered * size).clamp(-biggest, biggest)
+    return centered / (unit.std(correction=0) + eps / size)
 
 
 @dataclass
@@ -66,17 +77,20 @@ class PreparedBatch:
 
 
 def prepare_batch(
-    groups: list[TrajectoryGroup], tokenizer: Any, config: TrainConfig, max_seq_len: int
+    groups: list[TrajectoryGroup], tokenizer: Any, config: TrainConfig, max_seq_len: int,
+    vocab_size: int | None = None,
 ) -> PreparedBatch:
     """Advantages per group, then tokens per trajectory, for every group that has a signal.
 
     Reward statistics cover every trajectory given (they describe the rollouts, not the update).
+    `vocab_size` (the model's embedding rows): token ids outside it are refused here, naming the
+    trajectory, before they reach the model (on a GPU an out-of-range id is a device assert that
+    takes the whole process down; on CPU an IndexError mid-step).
     """
     batch = PreparedBatch()
     rewards = [t.reward for group in groups for t in group.trajectories]
     if rewards:
-        batch.reward_mean = sum(rewards) / len(rewards)
-        batch.reward_std = math.sqrt(sum((r - batch.reward_mean) ** 2 for r in rewards) / len(rewards))
+        batch.reward_mean, batch.reward_std = mean_and_std(rewards)
     for index, group in enumerate(groups):
         if not group.trajectories:
             batch.empty_groups += 1
@@ -96,6 +110,8 @@ def prepare_batch(
                     f"groups[{index}].trajectories[{j}] could not be tokenized for training: "
                     f"{type(error).__name__}: {error}"
                 ) from error
+            if vocab_size is not None:
+                _check_vocabulary(item.input_ids, vocab_size, f"groups[{index}].trajectories[{j}]")
             batch.truncated += item.truncated
             batch.retokenized_choices += item.retokenized_choices
             batch.template_fallbacks += item.template_fallbacks
@@ -108,3 +124,10 @@ def prepare_batch(
             used = True
         batch.groups += used
     return batch
+
+
+def _check_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{where} has token id {bad}, outside the model's vocabulary [0, {vocab_size}): "
+                         "token ids must come from this model's tokenizer (keep the Choice the endpoint returned)")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import make_choice
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from art_nb.config import TrainConfig
 from art_nb.grpo.advantages import group_advantages, prepare_batch
+from art_nb.records import mean_and_std, summarize
 from art_nb.trajectory import Trajectory, TrajectoryGroup
 
 
@@ -66,3 +71,36 @@ def test_prepare_batch_unscaled_and_truncated(chatml_tokenizer):
     cut = prepare_batch(groups, tok, TrainConfig(scale_rewards=False), max_seq_len=shortest - 2)
     assert cut.truncated == 2 and len(cut.items) == 2
     assert all(len(item.input_ids) == shortest - 2 for item in cut.items)
+
+
+@given(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=12), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_any_finite_rewards_give_finite_advantages(rewards, scale):
+    """Rewards of +-1e200 overflowed the old code (OverflowError squaring them, or inf std)."""
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), scale=scale)
+    assert torch.isfinite(advantages).all(), (rewards, advantages)
+    mean, std = mean_and_std(rewards)
+    assert math.isfinite(mean) and math.isfinite(std)
+
+
+def test_huge_rewards_keep_their_meaning(chatml_tokenizer):
+    tok = chatml_tokenizer
+    groups = [TrajectoryGroup([trajectory(tok, 1e200), trajectory(tok, -1e200)])]
+    batch = prepare_batch(groups, tok, TrainConfig(), max_seq_len=4096)
+    assert [item.advantage for item in batch.items] == pytest.approx([1.0, -1.0])
+    assert batch.reward_mean == 0.0 and batch.reward_std == pytest.approx(1e200)
+    summary = summarize([TrajectoryGroup([trajectory(tok, 1e308), trajectory(tok, 1e308)])])
+    assert summary["reward"] == pytest.approx(1e308) and summary["reward_std"] == 0.0
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_model(chatml_tokenizer):
+    """On a GPU an out-of-range id is a device assert that kills the process; it must never get there."""
+    tok = chatml_tokenizer
+    bad = trajectory(tok, 0.0)
+    bad.messages_and_choices[-1].token_ids = [5, len(tok) + 7, 6]  # type: ignore[union-attr]
+    groups = [TrajectoryGroup([trajectory(tok, 1.0), bad])]
+    with pytest.raises(ValueError, match=r"groups\[0\]\.trajectories\[1\] has token id \d+, outside the model's "
+                                         r"vocabulary \[0, \d+\)"):
+        prepare_batch(groups, tok, TrainConfig(), max_seq_len=4096, vocab_size=len(tok))
+    assert prepare_batch(groups[:0] + [TrajectoryGroup([trajectory(tok, 1.0), trajectory(tok, 0.0)])], tok,
+                         TrainConfig(), max_seq_len=4096, vocab_size=len(tok)).items
