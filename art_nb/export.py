@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,9 +183,7 @@ async def export_model(
 
 def _write_adapter_dir(source: Path, target: Path, base_model: str, step: int) -> Path:
     """Copy the adapter (+ the base's tokenizer, so the directory is self-contained) atomically."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _private_temp_dir(target)
     for file in ADAPTER_FILES:
         shutil.copy2(source / file, tmp / file)
     config = _read_json(tmp / "adapter_config.json")
@@ -235,13 +234,28 @@ def _model_card(base_model: str, step: int, config: dict[str, Any]) -> str:
     )
 
 
+def _private_temp_dir(target: Path) -> Path:
+    """A new directory beside `target`, created exclusively under an unpredictable name.
+
+    A fixed name (`.{target}.tmp`) could be planted beforehand as a symlink to elsewhere, and the
+    export would write (or delete) through it; mkdtemp creates the directory itself or fails.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+
+
 def _zip_dir(directory: Path, target: Path) -> Path:
-    tmp = target.with_name(f".{target.name}.tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for file in sorted(directory.rglob("*")):
-            if file.is_file():
-                archive.write(file, Path(directory.name) / file.relative_to(directory))
-    os.replace(tmp, target)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)  # exclusive create
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as handle, zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for file in sorted(directory.rglob("*")):
+                if file.is_file():
+                    archive.write(file, Path(directory.name) / file.relative_to(directory))
+        os.replace(tmp, target)  # replaces a link at `target` itself, never what it points to
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return target
 
 
@@ -275,8 +289,7 @@ def merge_adapter(
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged = merged.to({"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype])
     out = Path(target)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _private_temp_dir(out)
     merged.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(base_dir).save_pretrained(tmp)
     if out.exists():

@@ -235,3 +235,20 @@ def test_show_export_links_the_zip_and_downloads_it_on_colab(tmp_path, monkeypat
     assert downloads == [str(zip_path)] and view.downloading
     assert "download of the zip has started" in str(view)
     assert export_view.show_export(result, download=False).downloading is False
+
+
+def test_planted_symlinks_at_the_temporary_names_are_never_followed(checkpoint, tmp_path):
+    """The old export wrote through `.{name}.tmp`, a name anyone could plant as a link to elsewhere."""
+    base_dir, ckpt = checkpoint
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    out.mkdir()
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    (out / ".ttt-step3-lora.zip.tmp").symlink_to(victim / "owned.zip")
+    (out / ".ttt-step3-lora.tmp").symlink_to(victim, target_is_directory=True)
+    result = export_adapter(ckpt, out, name="ttt", base_model=str(base_dir))
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]  # nothing written or deleted there
+    assert (victim / "keep.txt").read_text() == "mine"
+    assert result.zip_path.is_file() and not result.zip_path.is_symlink()
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]  # no temporaries left
