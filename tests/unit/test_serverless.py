@@ -294,3 +294,15 @@ async def test_the_key_never_appears_in_output_logs_events_or_errors(fake, tmp_p
     assert "********" in str(bad_request.value) and "********" in str(failed_job.value)
     for text in texts:
         assert KEY not in text
+
+
+async def test_a_key_echoed_at_the_cut_is_redacted_before_the_message_is_cut(fake, tmp_path, chatml_tokenizer):
+    """The client keeps 1,000 characters of a server's error; cutting first left most of a key quoted there."""
+    backend, model = backend_for(fake, tmp_path), make_model()
+    await model.register(backend)
+    padding = "x" * (1000 - 10 - len("HTTP 400"))  # the key starts 10 characters before the cut
+    fake.fail("POST", "/v1/preview/training-jobs", 400, message=f"{padding} {KEY} and more")
+    with pytest.raises(ServerlessError) as error:
+        await model.train(make_groups(chatml_tokenizer))
+    text = str(error.value)
+    assert not any(KEY[i:i + 8] in text for i in range(len(KEY) - 7)), text[-80:]

@@ -102,7 +102,7 @@ class ServiceClient:
             message = str(response.json().get("error", {}).get("message") or response.text)
         except (json.JSONDecodeError, AttributeError):
             message = response.text
-        message = self.key.redact(message[:1000])
+        message = self.key.redact(message)[:1000]  # redact first: a cut could leave most of the key
         if response.status_code in (401, 403):
             raise ServerlessError(f"{what}: the W&B Training API rejected the key from {self.key.source} "
                                   f"(HTTP {response.status_code}): {message}")
