@@ -90,6 +90,10 @@ def test_the_four_bit_base_is_nf4_and_takes_less_memory(trainers):
     # LoRA weights train in float32 (peft upcasts adapters of a half-precision base) or the plan's dtype.
     allowed = {torch.float32, quantized.plan.torch_dtype()}
     assert lora_parameters(quantized) and {p.dtype for p in lora_parameters(quantized).values()} <= allowed
+    # What stays unquantised (embeddings, norms, lm head) stays in the plan's dtype: a float32 residual
+    # stream (peft's prepare_model_for_kbit_training) cost more activation memory than NF4 saved.
+    frozen = {p.dtype for p in quantized.model.parameters() if not p.requires_grad and p.dtype.is_floating_point}
+    assert frozen == {quantized.plan.torch_dtype()}, frozen
     assert quantized_bytes < full_bytes, (quantized_bytes, full_bytes)
 
 

@@ -93,7 +93,7 @@ def test_ampere_and_newer_get_bfloat16_in_the_notebook_too():
 def test_without_a_plan_the_trainer_plans_for_this_machine_and_says_why(tiny_dir, caplog):
     config = tiny_model_config()
     expected = plan_for(config)
-    with caplog.at_level(logging.INFO, logger="art_nb"):
+    with caplog.at_level(logging.DEBUG, logger="art_nb"):
         trainer = PeftTrainer(tiny_dir, config)
     assert trainer.plan == expected and trainer.device == expected.device
     assert base_weight_dtypes(trainer) == {expected.torch_dtype()}
@@ -102,14 +102,14 @@ def test_without_a_plan_the_trainer_plans_for_this_machine_and_says_why(tiny_dir
 
 
 def test_the_trainer_takes_its_dtype_from_the_plan_not_the_config(tiny_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="art_nb"):
+    with caplog.at_level(logging.DEBUG, logger="art_nb"):
         trainer = PeftTrainer(tiny_dir, tiny_model_config(dtype="float32"), cpu_plan("bfloat16"))
     assert base_weight_dtypes(trainer) == {torch.bfloat16}
     assert any("bfloat16: chosen by the test" in r.getMessage() for r in caplog.records)
 
 
 def test_four_bit_on_a_cpu_is_refused_before_anything_loads_or_claims_it(tiny_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="art_nb"), pytest.raises(ValueError, match="needs a CUDA GPU"):
+    with caplog.at_level(logging.DEBUG, logger="art_nb"), pytest.raises(ValueError, match="needs a CUDA GPU"):
         PeftTrainer(tiny_dir, tiny_model_config(load_in_4bit=True))
     assert not any("4-bit" in r.getMessage() for r in caplog.records)
 
