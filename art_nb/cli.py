@@ -24,8 +24,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (other hosts require a token)")
     parser.add_argument("--port", type=int, default=8000, help="default: 8000 (0 picks a free port)")
     parser.add_argument("--path", default=".art", help="where checkpoints and logs go; default: .art")
-    parser.add_argument("--token", default=None, help="bearer token; default: $ART_NB_SERVE_TOKEN, else "
-                        "generated and printed once when the host is not loopback")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help="read the bearer token from PATH (default: $ART_NB_SERVE_TOKEN, else generated and "
+                        "printed once when the host is not loopback); 16 characters at least off loopback")
+    parser.add_argument("--token", default=None, help="the token itself (discouraged: every local user can read "
+                        "it in the process list; use --token-file or $ART_NB_SERVE_TOKEN)")
+    parser.add_argument("--allowed-origin", dest="allowed_origins", action="append", default=[], metavar="ORIGIN",
+                        help="a browser origin allowed to call the server cross-site, e.g. http://localhost:8888 "
+                        "for a JupyterLab on another port (repeatable; default: none)")
+    parser.add_argument("--allow-local-models", action="store_true",
+                        help="let clients name directories on this machine as base_model (default: hub ids only)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,9 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_demo(config))
         return 0
     if args.command == "serve":
-        from .backends.serve import serve
+        from .backends.serve import TOKEN_ENV, serve
 
-        serve(args.host, args.port, args.path, args.token)
+        if args.token is not None:
+            print(f"art-nb serve: warning: --token puts the token in the process list, where every user of this "
+                  f"machine can read it; pass it with --token-file PATH or the {TOKEN_ENV} environment variable",
+                  file=sys.stderr)
+        try:
+            serve(args.host, args.port, args.path, args.token, token_file=args.token_file,
+                  allowed_origins=args.allowed_origins, allow_local_models=args.allow_local_models)
+        except ValueError as exc:  # a token that cannot be read or is too short: nothing was started
+            parser.error(str(exc))
         return 0
     parser.error(f"unknown command {args.command}")
     return 2

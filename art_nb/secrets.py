@@ -5,7 +5,8 @@ read through `google.colab.userdata`, imported only when running in Colab), then
 variable. The result is a `Secret`: its repr and str are a fixed mask, so a key that ends up in a
 cell's output, a log line, a progress bar or an exception is still not shown, and a notebook saved
 with that output does not carry it. Code that must send the key calls `reveal()` at the last
-moment; `redact(text)` scrubs it from text that came back from a server.
+moment; `redact(text)` scrubs it, and any piece of it 8 characters or longer, from text that came
+back from a server.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 __all__ = ["MissingSecretError", "Secret", "find_secret"]
 
 _MASK = "********"
+_MIN_PIECE = 8  # pieces of a key this long are masked wherever they appear
 
 
 class MissingSecretError(LookupError):
@@ -38,9 +40,30 @@ class Secret:
         """The key itself: only for an Authorization header or an SDK call that needs it."""
         return self._value
 
-    def redact(self, text: str) -> str:
-        """`text` with every occurrence of the key replaced by a mask (for server-supplied messages)."""
-        return text.replace(self._value, _MASK) if self._value in text else text
+    def redact(self, text: str, partial: bool = True) -> str:
+        """`text` with the key masked (for server-supplied messages).
+
+        With `partial` (the default), every run of text made of pieces of the key at least
+        `_MIN_PIECE` characters long is masked too: a message cut anywhere (by a server, a log
+        line, or us) can leave the key's head or tail, and 30 of 40 characters is most of a key.
+        Shorter pieces are left alone, as ordinary text shares them by chance.
+        """
+        if not partial or len(self._value) < _MIN_PIECE:
+            return text.replace(self._value, _MASK) if self._value in text else text
+        pieces = {self._value[i : i + _MIN_PIECE] for i in range(len(self._value) - _MIN_PIECE + 1)}
+        masked = [False] * len(text)
+        for i in range(len(text) - _MIN_PIECE + 1):
+            if text[i : i + _MIN_PIECE] in pieces:
+                masked[i : i + _MIN_PIECE] = [True] * _MIN_PIECE
+        if not any(masked):
+            return text
+        out: list[str] = []
+        for i, char in enumerate(text):
+            if not masked[i]:
+                out.append(char)
+            elif i == 0 or not masked[i - 1]:
+                out.append(_MASK)
+        return "".join(out)
 
     def matches(self, candidate: str | bytes) -> bool:
         """Constant-time comparison, for servers that check a presented key."""

@@ -10,6 +10,9 @@
   back as dicts), and a Choice carries what training needs: its `token_ids` and logprobs. On the
   wire each item is tagged, `{"message": {...}}` or `{"choice": {...}}`, and decoded back into
   the same types.
+- **Request bodies.** `RegisterBody`, `TrainBody`, `LogBody`, `DeleteBody`: what `art-nb serve`'s
+  routes accept, checked at the door so bad input is a 400 naming the field, never a 500 from deep
+  inside the backend (a split that is a path, a step of -5, a metric that is a string or NaN).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 from openai.types.chat.chat_completion import Choice
+from pydantic import AfterValidator, BaseModel, Field
 
 from ..trajectory import Trajectory, TrajectoryGroup
+from ..types import check_name
 
 __all__ = [
     "VERSION_HEADER",
@@ -39,6 +44,10 @@ __all__ = [
     "trajectory_from_wire",
     "group_to_wire",
     "group_from_wire",
+    "RegisterBody",
+    "TrainBody",
+    "LogBody",
+    "DeleteBody",
 ]
 
 VERSION_HEADER = "X-Art-Nb-Version"
@@ -223,3 +232,34 @@ def group_from_wire(data: dict[str, Any]) -> TrajectoryGroup:
         exceptions=[str(e) for e in data.get("exceptions") or []],
         metadata=dict(data.get("metadata") or {}),
     )
+
+
+# --- request bodies of art-nb serve -------------------------------------------------------------
+
+Step = Annotated[int, Field(strict=True, ge=0)]  # strict: 1.5, True and "3" are not steps
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Split = Annotated[str, AfterValidator(lambda name: check_name("split", name))]
+
+
+class RegisterBody(BaseModel):
+    name: str
+    project: str = "default"
+    base_model: str = Field(min_length=1, max_length=1024)
+    config: dict[str, Any] | None = None
+
+
+class TrainBody(BaseModel):
+    groups: list[dict[str, Any]] = []
+    config: dict[str, Any] | None = None
+
+
+class LogBody(BaseModel):
+    items: list[dict[str, Any]] = []
+    split: Split = "val"
+    step: Step | None = None
+    metrics: dict[str, Finite] | None = None
+
+
+class DeleteBody(BaseModel):
+    steps: list[Step] | None = None
+    keep_last: Annotated[int, Field(strict=True, ge=1)] = 1

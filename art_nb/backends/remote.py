@@ -54,6 +54,7 @@ from ._http import (
 __all__ = ["API_KEY_ENV", "RemoteBackend", "RemoteBackendError", "RemoteTrainingError"]
 
 API_KEY_ENV = "ART_NB_API_KEY"
+_SHOWN_CHARS = 1000  # of a server's error message, after the key is masked
 
 
 def _client_version() -> str:
@@ -101,8 +102,17 @@ class RemoteBackend:
     def _client(self) -> httpx.AsyncClient:
         return self._clients.get()
 
-    def _redact(self, text: str) -> str:
-        return self._key.redact(text) if self._key is not None else text
+    def _redact(self, text: str, limit: int = _SHOWN_CHARS) -> str:
+        """`text` with the key and any long piece of it masked, then cut to `limit` characters.
+
+        Masking comes first: a cut through the key would leave a piece that no longer matches the
+        whole key (the probe saw 30 of 40 characters). Only the head that can reach the cut is
+        scanned, so a huge error body costs no more than a short one.
+        """
+        if self._key is None:
+            return text[:limit]
+        head = text[: limit + len(self._key.reveal())]
+        return self._key.redact(head)[:limit]
 
     def _lost(self, exc: Exception, what: str) -> RemoteBackendError:
         detail = self._redact(f"{type(exc).__name__}: {exc}")
@@ -120,8 +130,8 @@ class RemoteBackend:
         try:
             error = response.json().get("error", {})
             message, code = str(error.get("message", "")), error.get("code")
-        except (json.JSONDecodeError, AttributeError):
-            message, code = response.text[:500], None
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            message, code = response.text, None
         message = self._redact(message)
         if response.status_code == 401:
             raise RemoteBackendError(

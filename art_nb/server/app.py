@@ -5,15 +5,19 @@ The backend provides a `ModelRegistry` (which engine and adapter serve a model n
 `InferenceGate`; each request resolves its model and runs the pipeline inside the gate, so a
 request that waited out a train step is answered by the new weights. A request whose client goes
 away is cancelled rather than decoded to `max_tokens` for nobody.
+
+Every request passes `art_nb.web.RequestGuard` (Host, Origin, JSON only, a body of at most
+`max_body` bytes) and `BearerAuth` first. Parsing a large body and rendering its prompt run in a
+worker thread: a megabyte-sized message takes seconds to tokenise, and every other client (and the
+train step waiting at the gate) would wait for the event loop meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -26,14 +30,16 @@ from starlette.routing import Route
 
 from ..engines.base import Engine, Sample
 from ..secrets import Secret
-from ..web import ApiError, BearerAuth, error_handlers
+from ..web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 from .gate import InferenceGate
 from .pipeline import completion, generate, render_prompt, sampling_params
 from .schema import ChatCompletionRequest, validation_error
 
-__all__ = ["ModelRegistry", "ServedModel", "create_app"]
+__all__ = ["CHAT_MAX_BODY", "ModelRegistry", "ServedModel", "create_app"]
 
 T = TypeVar("T")
+CHAT_MAX_BODY = 8 * MB
+_THREADED_RENDER_BYTES = 64 * 1024  # bodies larger than this are rendered in a worker thread
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,12 @@ class ModelRegistry(Protocol):
     def list_models(self) -> list[str]: ...
 
 
-def create_app(registry: ModelRegistry, gate: InferenceGate, api_key: str | Secret | None = None) -> Starlette:
-    """The ASGI app over `registry`'s engines; with `api_key`, every request must carry it as a bearer token."""
+def create_app(
+    registry: ModelRegistry, gate: InferenceGate, api_key: str | Secret | None = None, *,
+    allowed_origins: Iterable[str] = (), max_body: int = CHAT_MAX_BODY, body_timeout: float = 120.0,
+) -> Starlette:
+    """The ASGI app over `registry`'s engines; with `api_key`, every request must carry it as a
+    bearer token. `allowed_origins`: browser origins let in cross-site (see `RequestGuard`)."""
     created = int(time.time())
 
     async def list_models(request: Request) -> JSONResponse:
@@ -67,14 +77,12 @@ def create_app(registry: ModelRegistry, gate: InferenceGate, api_key: str | Secr
         return JSONResponse({"object": "list", "data": data})
 
     async def chat_completions(request: Request) -> JSONResponse:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        body = await read_json(request)
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from exc
+        threaded = len(await request.body()) > _THREADED_RENDER_BYTES  # read once, kept by the request
 
         async def serve() -> tuple[ServedModel, list[int], list[Sample]]:
             # Resolve inside the gate: a request that waited out a train step gets the new weights.
@@ -89,7 +97,10 @@ def create_app(registry: ModelRegistry, gate: InferenceGate, api_key: str | Secr
                         "model_not_found", param="model",
                     ) from None
                 engine = served.engine
-                prompt_ids = render_prompt(engine.tokenizer, req)
+                if threaded:
+                    prompt_ids = await asyncio.to_thread(render_prompt, engine.tokenizer, req)
+                else:
+                    prompt_ids = render_prompt(engine.tokenizer, req)
                 params = sampling_params(req, len(prompt_ids), engine.max_context)
                 return served, prompt_ids, await generate(engine, served.adapter, prompt_ids, params)
 
@@ -101,7 +112,10 @@ def create_app(registry: ModelRegistry, gate: InferenceGate, api_key: str | Secr
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         ],
-        middleware=[Middleware(BearerAuth, key=api_key)] if api_key else [],
+        middleware=[
+            Middleware(RequestGuard, allowed_origins=allowed_origins, max_body=max_body, body_timeout=body_timeout),
+            Middleware(BearerAuth, key=api_key or None),
+        ],
         exception_handlers=error_handlers(),
     )
 

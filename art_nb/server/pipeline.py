@@ -1,5 +1,5 @@
 """One chat completion, from a validated request to the response body: render the prompt with the
-model's chat template, derive sampling parameters, generate, cut each sample at its stop string,
+model's chat template (`prompt`), derive sampling parameters, generate, cut each sample at its stop string,
 parse tool calls, and answer in the ChatCompletion format plus what training needs:
 
 - every choice carries `token_ids`, the completion ids exactly as sampled (EOS included when the
@@ -28,26 +28,13 @@ from ..engines.base import (
     SamplingParams,
 )
 from ..web import ApiError
+from .prompt import render_prompt
 from .schema import ChatCompletionRequest
 from .toolcalls import parse_tool_calls
 
 __all__ = ["completion", "generate", "render_prompt", "sampling_params"]
 
 _MIN_LOGPROB = -9999.0
-
-
-def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    import jinja2  # a dependency of transformers' chat templating
-
-    messages = [m.for_template() for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=req.offered_tools(), add_generation_prompt=True, tokenize=False
-        )
-    except jinja2.TemplateError as exc:  # templates raise for conversations they cannot render
-        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    # The template already wrote BOS and the role markers; tokenising must not add them again.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: int) -> SamplingParams:

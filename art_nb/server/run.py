@@ -2,7 +2,9 @@
 
 The server shares the loop of whoever starts it (the backend's), so the app's handlers and the
 engine they call need no thread hand-offs; it leaves signal handlers and logging configuration
-alone, because in a kernel those belong to the user.
+alone, because in a kernel those belong to the user. Connections follow `ConnectionLimits` (head
+timeout, keep-alive by trust, a cap; see `connections`), and each request's scope carries the
+address the server was bound to, which `art_nb.web.RequestGuard` checks Host headers against.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import time
 from typing import Any
 
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..web import BIND_HOST
+from .connections import ConnectionLimits
 
 __all__ = ["RunningServer", "start_server"]
 
@@ -46,14 +51,24 @@ class RunningServer:
             await self._task
 
 
+def _bound_to(app: ASGIApp, host: str) -> ASGIApp:
+    async def bound(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[BIND_HOST] = host
+        await app(scope, receive, send)
+
+    return bound
+
+
 async def start_server(
-    app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 10.0
+    app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, startup_timeout: float = 10.0,
+    limits: ConnectionLimits | None = None,
 ) -> RunningServer:
     """Serve `app` with uvicorn as a task on the running event loop; return once it accepts connections.
 
     `port=0` picks a free port: the socket is bound here, so the port is known before uvicorn runs
-    and no other process can take it in between.
+    and no other process can take it in between. `limits` default: `ConnectionLimits()`.
     """
+    limits = limits or ConnectionLimits()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio only sets TCP_NODELAY on sockets whose proto says TCP, and without
     # it every small response waits ~40 ms for Nagle + delayed ACK.
@@ -63,10 +78,14 @@ async def start_server(
     port = sock.getsockname()[1]
     # log_config=None: do not reconfigure the user's logging; lifespan off: the app has none.
     config = uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-        # Rollout clients sit idle on pooled connections while a step trains; uvicorn's default 5 s
-        # keep-alive would close them under the clients, whose next request would then fail.
-        timeout_keep_alive=3600,
+        _bound_to(app, host), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        # Keep-alive is set per connection by the protocol: long for clients that showed the key
+        # (rollout clients sit idle on pooled connections while a step trains; closing them under
+        # the clients would fail their next request), short for everyone else.
+        http=limits.protocol(), timeout_keep_alive=int(limits.keep_alive),
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        # No proxy in front: X-Forwarded-* from any local process must not rewrite client or scheme.
+        proxy_headers=False,
     )
     server = _QuietServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))

@@ -82,7 +82,7 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str = Field(max_length=512)
     messages: list[_Message] = Field(min_length=1)
     n: int = Field(1, ge=1, le=_MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -90,10 +90,10 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch and vLLM seed generators take
     tools: list[_Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     stream: bool | None = None
@@ -101,6 +101,23 @@ class ChatCompletionRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # Special-token text in content is plain text unless this is set (see art_nb.server.prompt).
+    allow_special_tokens_in_content: bool = False
+
+    @field_validator("model")
+    @classmethod
+    def _step_suffix(cls, model: str) -> str:
+        _, at, step = model.rpartition("@")
+        if at and not (step.isascii() and step.isdigit()):
+            raise ValueError(f"after '@' comes a step number in ASCII digits, like 'name@3' (got {step[:20]!r})")
+        return model
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and not all(0 <= i < 2**31 for i in ids):
+            raise ValueError("token ids are integers from 0 to 2**31 - 1")
+        return ids
 
     @field_validator("stop")
     @classmethod

@@ -15,7 +15,7 @@ import pytest
 from conftest import make_choice
 
 import art_nb as art
-from art_nb import events, web
+from art_nb import cli, events, web
 from art_nb.backends import remote as remote_module
 from art_nb.backends import serve as serve_module
 from art_nb.backends._http import (
@@ -127,7 +127,8 @@ def test_tokens_are_required_beyond_loopback():
     secret = _resolve_token("0.0.0.0", None, shown.append)
     assert secret is not None and len(shown) == 1 and secret.reveal() in shown[0]
     assert _resolve_token("127.0.0.1", None, shown.append) is None and len(shown) == 1
-    assert _resolve_token("0.0.0.0", "given", shown.append).reveal() == "given" and len(shown) == 1
+    given = "given-token-0123456789"  # 16 characters at least, off loopback
+    assert _resolve_token("0.0.0.0", given, shown.append).reveal() == given and len(shown) == 1
 
 
 async def test_both_servers_share_one_auth_middleware_and_one_loopback_rule(tmp_path):
@@ -394,3 +395,183 @@ async def test_no_token_on_loopback_means_no_auth(tmp_path):
         assert model.backend.inference_endpoint(model).api_key == "none"
     finally:
         await server.stop()
+
+
+# --- issue 13: tokens (item 7), secrets in errors (item 8), bad input (item 9) ---------------------
+
+
+def test_the_token_comes_from_a_file_or_the_environment_and_is_long_off_loopback(tmp_path, monkeypatch):
+    monkeypatch.delenv("ART_NB_SERVE_TOKEN", raising=False)
+    file = tmp_path / "token"
+    file.write_text("file-token-0123456789abcdef\n")
+    file.chmod(0o600)
+    assert _resolve_token("0.0.0.0", None, print, token_file=file).reveal() == "file-token-0123456789abcdef"
+    with pytest.raises(ValueError, match="token file .* is empty"):
+        (tmp_path / "empty").write_text("\n")
+        _resolve_token("0.0.0.0", None, print, token_file=tmp_path / "empty")
+    with pytest.raises(ValueError, match="cannot read the token file"):
+        _resolve_token("0.0.0.0", None, print, token_file=tmp_path / "missing")
+    monkeypatch.setenv("ART_NB_SERVE_TOKEN", "env-token-0123456789abcdef")
+    assert _resolve_token("0.0.0.0", None, print).source == "environment variable ART_NB_SERVE_TOKEN"
+    for short in ("a", "fifteen-chars!!"):
+        with pytest.raises(ValueError, match=r"at least 16 characters.*secrets\.token_urlsafe\(32\)") as info:
+            _resolve_token("0.0.0.0", short, print)
+        assert "fifteen-chars!!" not in str(info.value)
+    assert _resolve_token("127.0.0.1", "a", print).reveal() == "a"  # loopback: no one else can connect
+
+
+def test_the_cli_reads_the_token_from_a_file_and_warns_about_token_on_the_command_line(tmp_path, monkeypatch, capsys):
+    calls: list[dict] = []
+    monkeypatch.setattr(serve_module, "serve", lambda *args, **kwargs: calls.append({"args": args, **kwargs}))
+    assert cli.main(["serve", "--token", TOKEN]) == 0
+    warning = capsys.readouterr().err
+    assert "process list" in warning and "--token-file" in warning and "ART_NB_SERVE_TOKEN" in warning
+    assert TOKEN not in warning
+    file = tmp_path / "token"
+    file.write_text(TOKEN)
+    assert cli.main(["serve", "--token-file", str(file), "--allowed-origin", "http://localhost:8888",
+                     "--allow-local-models"]) == 0
+    assert capsys.readouterr().err == ""
+    assert calls[-1]["token_file"] == str(file) and calls[-1]["allowed_origins"] == ["http://localhost:8888"]
+    assert calls[-1]["allow_local_models"] is True
+
+
+def test_the_cli_refuses_a_short_token_off_loopback(monkeypatch, capsys):
+    monkeypatch.delenv("ART_NB_SERVE_TOKEN", raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--host", "10.1.2.3", "--token", "a"])
+    assert info.value.code == 2
+    assert "secrets.token_urlsafe(32)" in capsys.readouterr().err
+
+
+def test_redact_masks_any_long_enough_piece_of_the_key():
+    secret = Secret("0123456789abcdefghij")
+    assert secret.redact("key=0123456789abcdefghij.") == "key=********."
+    assert secret.redact("cut: 0123456789abc") == "cut: ********"  # the head, as a truncation leaves it
+    assert secret.redact("tail 89abcdefghij end") == "tail ******** end"
+    assert secret.redact("89abcdef") == "********"  # eight characters are enough
+    assert secret.redact("89abcde and 0123") == "89abcde and 0123"  # shorter pieces are ordinary text
+    assert secret.redact("x 0123456789abc", partial=False) == "x 0123456789abc"
+
+
+async def test_a_key_the_server_echoes_is_masked_before_the_message_is_cut():
+    """The probe: a server error echoing the key at character 470 of 1,000 was cut at 500 and then
+    redacted, which found no whole key and showed 30 of its 40 characters."""
+    key = "k3y-a1b2c3d4e5f6g7h8i9j0k1l2m3n4o5p6q7r8"
+    bodies = [(b"text/plain", ("x" * 470 + key + "y" * 490).encode()),
+              (b"application/json", json.dumps({"error": {"message": "z" * 980 + key + "w" * 900}}).encode())]
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        content_type, body = bodies.pop(0)
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: " + content_type
+                     + f"\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    client = RemoteBackend(url, api_key=key, retry=RetryPolicy(attempts=1))
+    try:
+        for _ in range(2):
+            with pytest.raises(RemoteBackendError) as info:
+                await client.get_step(make_model())
+            message = str(info.value)
+            assert not [key[i:i + 8] for i in range(len(key) - 7) if key[i:i + 8] in message], message
+            assert "********" in message and len(message) < 1500
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.fixture
+async def raw_served(served, tmp_path):
+    backend, url, server = served
+    await make_model().register(RemoteBackend(url, api_key=TOKEN))
+    headers = {"Authorization": f"Bearer {TOKEN}", "X-Art-Nb-Version": art.__version__}
+    async with httpx.AsyncClient(base_url=url, headers=headers) as raw:
+        yield raw
+
+
+@pytest.mark.parametrize(("route", "body", "word"), [
+    ("log", {"items": [], "split": "../../etc"}, "split"),
+    ("log", {"items": [], "split": 7}, "split"),
+    ("log", {"items": [], "step": -5}, "step"),
+    ("log", {"items": [], "step": "abc"}, "step"),
+    ("log", {"items": [], "step": 1.5}, "step"),
+    ("log", {"items": [], "step": True}, "step"),
+    ("log", {"items": [], "metrics": {"a": "x"}}, "metrics"),
+    ("log", {"items": [], "metrics": {"a": {"b": 1}}}, "metrics"),
+    ("log", {"items": [], "metrics": [1]}, "metrics"),
+    ("log", {"items": "x"}, "items"),
+    ("log", {"items": [{"group": {"trajectories": 5}}]}, "items"),
+    ("checkpoints/delete", {"keep_last": 0}, "keep_last"),
+    ("checkpoints/delete", {"keep_last": "x"}, "keep_last"),
+    ("checkpoints/delete", {"steps": [-1]}, "steps"),
+    ("checkpoints/delete", {"steps": "all"}, "steps"),
+    ("train", {"groups": "x"}, "groups"),
+])
+async def test_bad_input_on_serve_is_400_with_a_reason_and_no_server_path(raw_served, tmp_path, route, body, word):
+    response = await raw_served.post(f"/api/models/m/{route}", json=body)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert word in message and str(tmp_path) not in response.text and "internal error" not in message
+
+
+async def test_a_non_finite_metric_is_400(raw_served):
+    for value in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+        response = await raw_served.post("/api/models/m/log", content=b'{"items": [], "metrics": {"a": ' + value + b"}}",
+                                         headers={"Content-Type": "application/json"})
+        assert response.status_code == 400 and "finite" in response.json()["error"]["message"], value
+
+
+@pytest.fixture
+async def strict_served(tmp_path, monkeypatch):
+    """A serve app that resolves base models like `art-nb serve` does, but against a fake hub that
+    knows one id; run from a directory holding an `org/local` folder."""
+    known = {"org/known"}
+
+    def resolve(base_model: str) -> str:  # like models.resolve_base_model: a local folder, else the hub
+        if base_model not in known and not Path(base_model).is_dir():
+            raise RuntimeError(f"cannot resolve base model {base_model!r}: HF cache: not cached")
+        return base_model
+
+    (tmp_path / "org" / "local").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    apps = {}
+    for allow in (False, True):
+        app = create_serve_app(InstantBackend(tmp_path / f"server-{allow}"), token=None, resolve_model=resolve,
+                               allow_local_models=allow)
+        apps[allow] = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1",
+                                        headers={"X-Art-Nb-Version": art.__version__})
+    yield apps
+    for client in apps.values():
+        await client.aclose()
+
+
+async def test_base_model_paths_are_refused_over_http_without_echo_or_oracle(strict_served, tmp_path):
+    async def register(base_model: str, allow: bool = False) -> httpx.Response:
+        return await strict_served[allow].post("/api/models", json={"name": "n", "project": "p", "base_model": base_model})
+
+    for path in ("/etc/passwd", "/no/such/dir", "./m", "../m", "~/m", "a/b/c", "C:\\models\\m", str(tmp_path)):
+        response = await register(path)
+        assert response.status_code == 400, path
+        assert path not in response.text and "--allow-local-models" in response.json()["error"]["message"]
+    assert (await register("/etc")).json() == (await register("/no/such/dir")).json()  # no oracle
+    # An id-shaped name that is a local folder answers exactly as an id nobody knows.
+    local, unknown = await register("org/local"), await register("org/unknown")
+    assert local.status_code == unknown.status_code == 400
+    assert local.json()["error"]["message"].replace("org/local", "X") == unknown.json()["error"]["message"].replace("org/unknown", "X")
+    assert str(tmp_path) not in local.text
+    assert (await register("org/known")).status_code == 200
+    assert (await register(str(tmp_path / "org" / "local"), allow=True)).status_code == 200
+
+
+async def test_the_openai_app_answers_a_bad_step_suffix_with_400(served):
+    _, url, _ = served
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}) as raw:
+        for name in ("m@\u00b2", "m@3a", "m@", "m@-1", "m@ 3"):
+            response = await raw.post("/v1/chat/completions", json={"model": name, "messages": PROMPT})
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["error"]["param"] == "model"
