@@ -159,8 +159,10 @@ class RequestGuard:
     1. **Host.** A page on evil.example can rebind its name to 127.0.0.1 and then talk to a loopback
        server as a same-origin site. Its requests still say `Host: evil.example`, so a server bound
        to loopback answers only Host names it is known by (localhost, 127.0.0.1, [::1], the bound
-       address) with its own port. A server bound to 0.0.0.0 or a public address cannot know every
-       name clients use for it: there the key (always required off loopback) is the protection.
+       address). Any port goes with them: an SSH tunnel (`ssh -L 9000:localhost:8000`) sends its
+       own local port, and a browser cannot put a loopback name in Host for another site. A server
+       bound to 0.0.0.0 or a public address cannot know every name clients use for it: there the
+       key (always required off loopback) is the protection.
     2. **Origin.** A browser marks cross-site requests (`Origin`, `Sec-Fetch-Site`); they are refused
        unless their origin is in `allowed_origins` (say a JupyterLab on another port), which also
        get CORS answers, preflights included.
@@ -218,17 +220,20 @@ def _host_problem(scope: Scope, host: str | None) -> ApiError | None:
     bound = str(scope.get(BIND_HOST) or server[0] or "")
     if host is None or not is_loopback(bound):  # no Host (HTTP/1.0: no browser), or off loopback: the key
         return None
-    name, _, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
-    if not name or (name.startswith("[") and not name.endswith("]")):  # "localhost" or "[::1]" alone
-        name, port = host, ""
-    own_port = server[1] or 80  # an ASGI test transport leaves the default port out
-    known = name.strip("[]").lower() in _LOCAL_NAMES | {bound.strip("[]").lower()}
-    if known and (port == str(own_port) or (port == "" and own_port == 80)):
+    if _host_name(host) in _LOCAL_NAMES | {bound.strip("[]").lower()}:
         return None
+    own_port = server[1] or 80  # an ASGI test transport leaves the default port out
     return ApiError(
         403, f"this server answers only to its own address (Host {host[:100]!r} is not it): connect to "
              f"http://127.0.0.1:{own_port} or http://localhost:{own_port}. A web page reaching it under another "
              "name (DNS rebinding) is refused on purpose", "host_not_allowed", close=True)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header: 'localhost:8000' -> 'localhost', '[::1]:8000' -> '::1'."""
+    if host.startswith("["):
+        return host[1 : host.find("]")].lower() if "]" in host else host.lower()
+    return (host.rpartition(":")[0] if host.count(":") == 1 else host).lower()
 
 
 def _origin_problem(scope: Scope, headers: dict[str, str]) -> ApiError | None:

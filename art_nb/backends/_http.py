@@ -35,19 +35,19 @@ from ..types import check_name
 
 __all__ = [
     "VERSION_HEADER",
-    "version_mismatch",
+    "DeleteBody",
+    "LogBody",
     "LoopClients",
+    "RegisterBody",
     "RetryPolicy",
+    "TrainBody",
+    "group_from_wire",
+    "group_to_wire",
     "parse_retry_after",
     "request_with_retries",
-    "trajectory_to_wire",
     "trajectory_from_wire",
-    "group_to_wire",
-    "group_from_wire",
-    "RegisterBody",
-    "TrainBody",
-    "LogBody",
-    "DeleteBody",
+    "trajectory_to_wire",
+    "version_mismatch",
 ]
 
 VERSION_HEADER = "X-Art-Nb-Version"

@@ -56,8 +56,8 @@ from .._version import __version__
 from ..config import ModelConfig, TrainConfig
 from ..model import TrainableModel
 from ..secrets import Secret
-from ..store import checkpoint_steps
 from ..server.schema import validation_error
+from ..store import checkpoint_steps
 from ..types import TrainableModelRef
 from ..web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 from ._http import (

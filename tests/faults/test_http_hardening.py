@@ -155,12 +155,13 @@ async def test_a_host_header_naming_another_site_is_refused(servers: Servers, wh
     url = servers.url(which)
     port = url.rsplit(":", 1)[1]
     async with httpx.AsyncClient(base_url=url, headers={**AUTH, **VERSION}) as http:
-        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1:1", f"localhost.evil.example:{port}"):
+        for host in ("evil.example", f"evil.example:{port}", f"localhost.evil.example:{port}", f"127.0.0.1.nip.io:{port}"):
             refused = await http.get("/v1/models", headers={"Host": host})
             assert refused.status_code == 403, (host, refused.text)
             assert refused.json()["error"]["code"] == "host_not_allowed"
             assert "127.0.0.1" in refused.json()["error"]["message"]  # says where to connect instead
-        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+        # Any port: an SSH tunnel (ssh -L 9000:localhost:PORT) sends its own.
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "localhost:9000", "localhost"):
             assert (await http.get("/v1/models", headers={"Host": host})).status_code == 200, host
         if which == "serve":  # the routes a rebinding page wanted: list, delete, download
             for method, route in (("GET", "/api/health"), ("GET", "/api/models/m/checkpoints"),

@@ -1,6 +1,6 @@
 """The real `art-nb serve` process on loopback with the tiny model on CPU, driven by `RemoteBackend`:
-two training steps, progress streamed back from the real trainer, auth, the version handshake, and a
-crash + restart that resumes at the last step."""
+two training steps, progress streamed back from the real trainer, auth, the version handshake, a
+crash + restart that resumes at the last step, and bad input answered with 400s."""
 
 from __future__ import annotations
 
@@ -86,9 +86,13 @@ async def rollout(model: art.TrainableModel, seed: int) -> art.Trajectory:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("served")
-    process = ServeProcess(path)
+    token_file = tmp_path_factory.mktemp("secret") / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    process = ServeProcess(path, token_args=["--token-file", str(token_file)])
     yield process, path
     process.stop()
+    assert TOKEN not in "".join(process.output)  # read from the file, never printed
 
 
 async def test_a_client_trains_two_steps_through_the_server(server, tmp_path):
@@ -161,6 +165,36 @@ async def test_a_client_of_another_version_fails_clearly(server, monkeypatch):
         await make_model().register(RemoteBackend(process.url, api_key=TOKEN))
 
 
+async def test_bad_input_is_a_400_without_server_paths_on_the_real_server(server, tmp_path):
+    """Issue 13's probes against the real `art-nb serve` and LocalBackend: each of these was a 500
+    naming absolute paths (or, for step=-5, wrote trajectories/val/-005.jsonl)."""
+    import httpx
+
+    process, path = server
+    model = make_model()
+    await model.register(RemoteBackend(process.url, api_key=TOKEN))
+    headers = {"Authorization": f"Bearer {TOKEN}", "X-Art-Nb-Version": art.__version__}
+    async with httpx.AsyncClient(base_url=process.url, headers=headers, timeout=60) as raw:
+        for body in ({"items": [], "split": "../../escape"}, {"items": [], "step": -5},
+                     {"items": [], "metrics": {"reward": "high"}}):
+            response = await raw.post("/api/models/m1/log", json=body)
+            assert response.status_code == 400 and str(path) not in response.text, response.text
+        assert not list(path.glob("**/-*.jsonl")) and not (path.parent / "escape").exists()
+        deleted = await raw.post("/api/models/m1/checkpoints/delete", json={"keep_last": 0})
+        assert deleted.status_code == 400 and "keep_last" in deleted.text
+        answers = []
+        for base_model in ("/etc", "/no/such/directory"):
+            response = await raw.post("/api/models", json={"name": "probe", "project": "it", "base_model": base_model})
+            assert response.status_code == 400 and base_model not in response.text
+            answers.append(response.json())
+        assert answers[0] == answers[1]  # no filesystem oracle
+        for name in ("m1@\u00b2", "m1@-5"):
+            response = await raw.post("/v1/chat/completions", json={"model": name, "messages": PROMPT, "max_tokens": 2})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+        rebound = await raw.get("/api/health", headers={"Host": "evil.example"})
+        assert rebound.status_code == 403
+
+
 async def test_after_a_crash_and_restart_the_client_resumes_at_the_latest_step(server):
     process, path = server
     backend, model = RemoteBackend(process.url, api_key=TOKEN), make_model()
@@ -181,3 +215,4 @@ async def test_after_a_crash_and_restart_the_client_resumes_at_the_latest_step(s
         assert (await model.train(groups)).step == step + 1
     finally:
         assert restarted.stop() == 0
+

@@ -30,7 +30,11 @@ from art_nb.backends._http import (
 )
 from art_nb.backends.base import Backend, TrainResult
 from art_nb.backends.local import LocalBackend
-from art_nb.backends.remote import RemoteBackend, RemoteBackendError, RemoteTrainingError
+from art_nb.backends.remote import (
+    RemoteBackend,
+    RemoteBackendError,
+    RemoteTrainingError,
+)
 from art_nb.backends.serve import _resolve_token, create_serve_app, is_loopback
 from art_nb.secrets import Secret
 from art_nb.server import InferenceGate, create_app, start_server
@@ -486,8 +490,8 @@ async def test_a_key_the_server_echoes_is_masked_before_the_message_is_cut():
 
 
 @pytest.fixture
-async def raw_served(served, tmp_path):
-    backend, url, server = served
+async def raw_served(served):
+    _, url, _ = served
     await make_model().register(RemoteBackend(url, api_key=TOKEN))
     headers = {"Authorization": f"Bearer {TOKEN}", "X-Art-Nb-Version": art.__version__}
     async with httpx.AsyncClient(base_url=url, headers=headers) as raw:
