@@ -141,6 +141,7 @@ class _Service:
         self.backend = backend
         self.models: dict[str, TrainableModel] = {}
         self.running: set[asyncio.Task[Any]] = set()  # train tasks outlive their requests
+        self.train_locks: dict[tuple[str, str], asyncio.Lock] = {}  # one step at a time per model
         self.allow_local_models = allow_local_models
         self.resolve_model = resolve_model
 
@@ -163,6 +164,10 @@ class _Service:
                                    config=ModelConfig.model_validate(body.config or {}))
         except ValidationError as exc:
             raise validation_error(exc) from None
+        known = self.models.get(model.name)
+        if known is not None and known.project != model.project:  # routes address models by name
+            raise ApiError(409, f"a model named {model.name!r} is registered here for project {known.project!r}; "
+                                "this server addresses models by name: pick another name", "conflict")
         try:
             await self.backend.register(model)
         except ValueError as exc:  # same name, different base model or config
@@ -195,10 +200,18 @@ class _Service:
             if event.get("model") == model.name and "remote" not in event:
                 put({"type": "event", "event": event})
 
-        start_step = await self.backend.get_step(model)
+        lock = self.train_locks.setdefault((model.project, model.name), asyncio.Lock())
+
+        async def train_in_turn() -> Any:
+            # Steps of one model run one after another; "accepted" names the step this one starts
+            # from, read once the steps before it are done (two concurrent trains both said 0).
+            async with lock:
+                put({"type": "accepted", "step": await self.backend.get_step(model), "groups": len(groups)})
+                return await self.backend.train(
+                    model, groups, config, on_progress=lambda p: put({"type": "progress", "progress": p}))
+
         unsubscribe = events.subscribe(forward)
-        task = asyncio.ensure_future(
-            self.backend.train(model, groups, config, on_progress=lambda p: put({"type": "progress", "progress": p})))
+        task = asyncio.ensure_future(train_in_turn())
         self.running.add(task)
 
         def finished(done: asyncio.Task[Any]) -> None:
@@ -209,7 +222,6 @@ class _Service:
         task.add_done_callback(finished)
 
         async def stream() -> AsyncIterator[bytes]:
-            yield _line({"type": "accepted", "step": start_step, "groups": len(groups)})
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), HEARTBEAT_S)

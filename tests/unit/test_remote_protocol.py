@@ -579,3 +579,26 @@ async def test_the_openai_app_answers_a_bad_step_suffix_with_400(served):
             response = await raw.post("/v1/chat/completions", json={"model": name, "messages": PROMPT})
             assert response.status_code == 400, (name, response.text)
             assert response.json()["error"]["param"] == "model"
+
+
+async def test_concurrent_trains_of_one_model_take_turns_and_accept_different_steps(served, raw_served,
+                                                                                      chatml_tokenizer):
+    """Two trains posted at once both answered "accepted": step 0 (the probe of issue 13); now the second
+    waits for the first and starts from step 1."""
+    backend, _, _ = served
+    backend.hold = asyncio.Event()
+    group = art.TrajectoryGroup([art.Trajectory(
+        messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "blue")], reward=1.0)])
+    body = {"groups": [group_to_wire(group)], "config": {}}
+
+    async def stream_lines() -> list[dict]:
+        async with raw_served.stream("POST", "/api/models/m/train", json=body) as response:
+            return [json.loads(line) async for line in response.aiter_lines() if line]
+
+    first, second = asyncio.ensure_future(stream_lines()), asyncio.ensure_future(stream_lines())
+    await asyncio.sleep(0.3)
+    backend.hold.set()
+    lines = await asyncio.gather(first, second)
+    accepted = sorted(next(item["step"] for item in stream if item["type"] == "accepted") for stream in lines)
+    results = sorted(next(item["step"] for item in stream if item["type"] == "result") for stream in lines)
+    assert accepted == [0, 1] and results == [1, 2]
