@@ -1,5 +1,7 @@
 """art_nb: train multi-step LLM agents with GRPO + LoRA from a notebook.
 
+ART's public names are here under the same spelling (`import art_nb as art` ports ART code), and
+ART's submodules too (`art_nb.dev`, `art_nb.utils`, `art_nb.local`, `art_nb.rewards`...).
 Importing this package loads no torch, vLLM, Unsloth or ipywidgets: engines and trainers load
 when a backend first needs them.
 """
@@ -8,9 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import dev, utils
 from ._version import __version__
 from .backends.base import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
+from .dev import TrainSFTConfig
 from .gather import (
     DatasetBatch,
     TooManyExceptionsError,
@@ -21,8 +25,8 @@ from .gather import (
     retry,
 )
 from .model import Model, TrainableModel
-from .trajectory import Trajectory, TrajectoryGroup
-from .types import TrainResult
+from .trajectory import History, Trajectory, TrajectoryGroup
+from .types import LocalTrainResult, Messages, MessagesAndChoices, Tools, TrainResult
 
 if TYPE_CHECKING:
     from .backends.local import LocalBackend
@@ -32,24 +36,32 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "DatasetBatch",
+    "History",
     "LocalBackend",
+    "LocalTrainResult",
     "LoraConfig",
+    "Messages",
+    "MessagesAndChoices",
     "Model",
+    "ModelConfig",
     "RemoteBackend",
     "ServerlessBackend",
-    "ModelConfig",
     "TooManyExceptionsError",
+    "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
     "__version__",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "iterate_dataset",
     "limit_concurrency",
     "retry",
+    "utils",
 ]
 
 

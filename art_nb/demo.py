@@ -97,7 +97,8 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
     before = await ttt.evaluate(model, config.eval_games, config.eval_seed, inference_name=model.get_inference_name(0),
                                 concurrency=32)
 
-    train_config = art.TrainConfig(learning_rate=config.learning_rate)
+    # What the demo was tuned with (PPO, learning_rate): art_nb follows ART's defaults (CISPO, 5e-6) otherwise.
+    train_config = art.TrainConfig(learning_rate=config.learning_rate, loss="ppo")
     step_seconds: list[float] = []
     start = await model.get_step()
     if start >= config.steps:

@@ -1,35 +1,39 @@
-"""Run many rollouts at once, with a progress bar, an exception budget and resumable iteration.
+"""Run many rollouts at once, with a progress bar and an exception budget, as ART's gather does.
 
 Only `Exception` counts against `max_exceptions`: a Ctrl-C (`KeyboardInterrupt`) or a cancelled
-cell (`CancelledError`) is not a failed rollout, it stops the gather and propagates.
+cell (`CancelledError`) is not a failed rollout, it stops the gather and propagates. With the
+default `max_exceptions=0` the first failure is raised as the rollout raised it (as in ART); a
+larger budget, once exceeded, raises `TooManyExceptionsError` naming the count, chained from the
+first failure.
+
+`retry`, `limit_concurrency` and `iterate_dataset` live in `art_nb.utils` (where ART keeps them)
+and are re-exported here, their older home.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
-import random
+import math
 import traceback
-import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from . import events
 from .trajectory import Trajectory, TrajectoryGroup
+from .utils import DatasetBatch, iterate_dataset, limit_concurrency, retry
 
 __all__ = [
-    "gather_trajectory_groups",
-    "gather_trajectories",
-    "retry",
-    "limit_concurrency",
-    "iterate_dataset",
     "DatasetBatch",
     "TooManyExceptionsError",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "iterate_dataset",
+    "limit_concurrency",
+    "retry",
 ]
 
-T = TypeVar("T")
+AfterEach = Callable[[TrajectoryGroup], Any]
 
 
 class TooManyExceptionsError(RuntimeError):
@@ -44,35 +48,49 @@ def _budget(max_exceptions: int | float, total: int) -> int:
     return int(max_exceptions)
 
 
-class _Progress:
-    """tqdm.auto bar with a running mean reward, plus events for the dashboard."""
+class _Tally:
+    """The progress bar (tqdm.auto) with running metric means, the exception budget, and the
+    dashboard's "gather_progress" events."""
 
-    def __init__(self, desc: str | None, total: int) -> None:
+    def __init__(self, desc: str | None, total: int, max_exceptions: int | float, max_metrics: int | None) -> None:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc=desc, disable=desc is None, dynamic_ncols=True)
-        self.rewards: list[float] = []
-        self.exceptions = 0
-        self.desc = desc
+        self.desc, self.max_exceptions, self.max_metrics = desc, max_exceptions, max_metrics
+        self.budget = _budget(max_exceptions, total)
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.failures: list[BaseException] = []
 
-    def done(self, trajectory: Trajectory | None) -> None:
-        if trajectory is None:
-            self.exceptions += 1
+    def outcome(self, trajectory: Trajectory | None, error: BaseException | None) -> None:
+        """Count one finished rollout; raise when the failures exceed the budget."""
+        if error is not None:
+            self.failures.append(error)
         else:
-            self.rewards.append(trajectory.reward)
-        postfix = {"reward": f"{sum(self.rewards) / len(self.rewards):.3f}"} if self.rewards else {}
-        if self.exceptions:
-            postfix["exceptions"] = str(self.exceptions)
+            assert trajectory is not None
+            for key, value in {"reward": trajectory.reward, **trajectory.metrics}.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.sums[key] = self.sums.get(key, 0.0) + float(value)
+                    self.counts[key] = self.counts.get(key, 0) + 1
+        self._show()
+        if error is not None and len(self.failures) > self.budget:
+            if self.max_exceptions == 0:
+                raise error
+            raise TooManyExceptionsError(
+                f"{len(self.failures)} rollouts raised (max_exceptions={self.max_exceptions}); first:\n"
+                + "".join(traceback.format_exception(self.failures[0]))
+            ) from self.failures[0]
+
+    def _show(self) -> None:
+        means = {key: self.sums[key] / self.counts[key] for key in self.sums}
+        shown = list(means)[: self.max_metrics] if self.max_metrics is not None else list(means)
+        postfix = {key: f"{means[key]:.3g}" for key in shown}
+        if self.failures:
+            postfix["exceptions"] = str(len(self.failures))
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
-        events.emit(
-            "gather_progress",
-            desc=self.desc,
-            done=self.bar.n,
-            total=self.bar.total,
-            reward_mean=(sum(self.rewards) / len(self.rewards)) if self.rewards else None,
-            exceptions=self.exceptions,
-        )
+        events.emit("gather_progress", desc=self.desc, done=self.bar.n, total=self.bar.total,
+                    reward_mean=means.get("reward"), exceptions=len(self.failures))
 
     def close(self) -> None:
         self.bar.close()
@@ -86,55 +104,40 @@ async def gather_trajectory_groups(
     groups: Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]],
     *,
     pbar_desc: str | None = "gather",
+    pbar_total_completion_tokens: bool = False,
     max_exceptions: int | float = 0,
-    after_each: Callable[[TrajectoryGroup], Any] | None = None,
+    max_metrics: int | None = None,
+    after_each: AfterEach | None = None,
 ) -> list[TrajectoryGroup]:
-    """Await every rollout of every group concurrently; return the finished groups in order.
+    """Run every rollout of every group concurrently; return the finished groups in order.
 
-    A rollout that raises is recorded in its group's `exceptions` and dropped from it; more than
-    `max_exceptions` (a count, or a fraction of all rollouts) raises `TooManyExceptionsError`.
-    `after_each(group)` may return a replacement group, or None to drop the group.
+    `groups` holds TrajectoryGroups, or awaitables that return one (ART's `async def` group makers
+    included). A rollout that raises is recorded in its group's `exceptions` and dropped from it;
+    `max_exceptions` is a count, or a fraction of all rollouts (module docstring). `after_each(group)`,
+    sync or async, may return a replacement group, a list of groups (flattened into the result), or
+    None to drop it. `max_metrics` caps how many running means the progress bar shows.
+    `pbar_total_completion_tokens` is accepted for ART code and does nothing (ART deprecated it).
     """
-    groups = [await g if not isinstance(g, TrajectoryGroup) and inspect.isawaitable(g) else g for g in groups]
-    for i, group in enumerate(groups):
+    items = list(groups)
+    for i, item in enumerate(items):
+        if not isinstance(item, TrajectoryGroup) and not inspect.isawaitable(item):
+            raise TypeError(f"groups[{i}] is a {type(item).__name__}; expected TrajectoryGroup")
+    total = sum(len(g.trajectories) + len(g.pending) if isinstance(g, TrajectoryGroup) else 1 for g in items)
+    tally = _Tally(pbar_desc, total, max_exceptions, max_metrics)
+
+    async def run_group(item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        group = item if isinstance(item, TrajectoryGroup) else await item
         if not isinstance(group, TrajectoryGroup):
-            raise TypeError(f"groups[{i}] is a {type(group).__name__}; expected TrajectoryGroup")
-    total = sum(len(g.trajectories) + len(g.pending) for g in groups)
-    budget = _budget(max_exceptions, total)
-    progress = _Progress(pbar_desc, total)
-    failures: list[BaseException] = []
-
-    async def run_one(awaitable: Awaitable[Trajectory]) -> Trajectory | str:
-        try:
-            result = await awaitable
-        except Exception as error:  # noqa: BLE001 - counted against the budget, by design
-            failures.append(error)
-            progress.done(None)
-            if len(failures) > budget:
-                raise TooManyExceptionsError(
-                    f"{len(failures)} rollouts raised (max_exceptions={max_exceptions}); first:\n"
-                    + "".join(traceback.format_exception(failures[0]))
-                ) from failures[0]
-            return "".join(traceback.format_exception_only(type(error), error)).strip()
-        if not isinstance(result, Trajectory):
-            raise TypeError(f"a rollout returned {type(result).__name__}; rollouts must return art_nb.Trajectory")
-        progress.done(result)
-        return result
-
-    async def run_group(group: TrajectoryGroup) -> TrajectoryGroup | None:
+            raise TypeError(f"a group awaitable returned {type(group).__name__}; expected TrajectoryGroup")
         for trajectory in group.trajectories:
-            progress.done(trajectory)
-        results = await asyncio.gather(*(run_one(p) for p in group.pending))
-        finished = TrajectoryGroup(
-            list(group.trajectories) + [r for r in results if isinstance(r, Trajectory)],
-            exceptions=list(group.exceptions) + [r for r in results if isinstance(r, str)],
-            metadata=group.metadata,
-        )
-        if after_each is not None:
-            return await _maybe_await(after_each(finished))
-        return finished
+            tally.outcome(trajectory, None)
+        finished = await group.finished(tally.outcome)
+        result = finished if after_each is None else await _maybe_await(after_each(finished))
+        if result is None:
+            return []
+        return list(result) if isinstance(result, (list, tuple)) else [result]
 
-    tasks = [asyncio.ensure_future(run_group(g)) for g in groups]
+    tasks = [asyncio.ensure_future(run_group(item)) for item in items]
     try:
         results = await asyncio.gather(*tasks)
     except BaseException:
@@ -143,105 +146,46 @@ async def gather_trajectory_groups(
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     finally:
-        progress.close()
-    return [g for g in results if g is not None]
+        tally.close()
+    return [group for result in results for group in result]
 
 
 async def gather_trajectories(
-    trajectories: Iterable[Awaitable[Trajectory]],
+    trajectories: Iterable[Awaitable[Trajectory | Iterable[Trajectory]]],
     *,
     pbar_desc: str | None = "gather",
+    pbar_total_completion_tokens: bool = False,
     max_exceptions: int | float = 0,
-) -> list[Trajectory]:
-    """Like `gather_trajectory_groups` for a flat list (evaluation): failed rollouts are dropped."""
-    groups = await gather_trajectory_groups(
-        [TrajectoryGroup(trajectories)], pbar_desc=pbar_desc, max_exceptions=max_exceptions
-    )
-    return list(groups[0].trajectories)
+) -> list[Any]:
+    """Run rollouts concurrently (evaluation); results in the order given, as ART returns them.
 
+    A rollout that raised stands in its place as the exception object (within `max_exceptions`);
+    a rollout may return one Trajectory or a list of them (e.g. both players of a self-play game).
+    """
+    awaitables = list(trajectories)
+    tally = _Tally(pbar_desc, len(awaitables), max_exceptions, None)
 
-def retry(
-    max_attempts: int = 3, delay: float = 0.5, backoff: float = 2.0, exceptions: tuple[type[Exception], ...] = (Exception,)
-) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-    """Retry an async function on `exceptions` with exponential backoff and jitter."""
+    async def one(awaitable: Awaitable[Any]) -> Any:
+        try:
+            result = await awaitable
+        except Exception as error:  # noqa: BLE001 - a failed rollout, counted against the budget
+            tally.outcome(None, error)
+            return error
+        finished = [result] if isinstance(result, Trajectory) else list(result)
+        for trajectory in finished:
+            if not isinstance(trajectory, Trajectory):
+                raise TypeError(f"a rollout returned {type(trajectory).__name__}; rollouts must return "
+                                "art_nb.Trajectory (or a list of them)")
+        tally.outcome(finished[0] if finished else Trajectory(), None)
+        return result
 
-    def decorate(func: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-        @functools.wraps(func)
-        async def wrapper(*args: Any, **kwargs: Any) -> T:
-            for attempt in range(1, max_attempts + 1):
-                try:
-                    return await func(*args, **kwargs)
-                except exceptions:
-                    if attempt == max_attempts:
-                        raise
-                    await asyncio.sleep(delay * backoff ** (attempt - 1) * (0.5 + random.random()))
-            raise AssertionError("unreachable")
-
-        return wrapper
-
-    return decorate
-
-
-def limit_concurrency(n: int) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-    """At most `n` calls of the decorated async function run at once (per event loop)."""
-    # Keyed by the loop object, weakly: a closed loop's semaphore goes with it (an id can be reused).
-    semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
-
-    def decorate(func: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-        @functools.wraps(func)
-        async def wrapper(*args: Any, **kwargs: Any) -> T:
-            semaphore = semaphores.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(n))
-            async with semaphore:
-                return await func(*args, **kwargs)
-
-        return wrapper
-
-    return decorate
-
-
-@dataclass(frozen=True)
-class DatasetBatch(Generic[T]):
-    items: list[T]
-    step: int
-    epoch: int
-    epoch_step: int
-
-
-def iterate_dataset(
-    dataset: Sequence[T],
-    groups_per_step: int = 1,
-    num_epochs: int = 1,
-    initial_step: int = 0,
-    shuffle: bool = True,
-    seed: int = 42,
-    use_tqdm: bool = True,
-) -> Iterator[DatasetBatch[T]]:
-    """Batches of scenarios, one per training step, resumable: `initial_step=await model.get_step()`
-    yields exactly the batches a run that was never interrupted would have seen from that step on."""
-    if groups_per_step < 1:
-        raise ValueError("groups_per_step must be >= 1")
-    if len(dataset) == 0:
-        raise ValueError("dataset is empty")
-    steps_per_epoch = -(-len(dataset) // groups_per_step)
-    total = steps_per_epoch * num_epochs
-    bar = None
-    if use_tqdm:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, initial=min(initial_step, total), desc="steps", dynamic_ncols=True)
+    tasks = [asyncio.ensure_future(one(a)) for a in awaitables]
     try:
-        for epoch in range(num_epochs):
-            order = list(range(len(dataset)))
-            if shuffle:
-                random.Random(seed + epoch).shuffle(order)
-            for epoch_step in range(steps_per_epoch):
-                step = epoch * steps_per_epoch + epoch_step
-                if step < initial_step:
-                    continue
-                picked = order[epoch_step * groups_per_step : (epoch_step + 1) * groups_per_step]
-                yield DatasetBatch([dataset[i] for i in picked], step, epoch, epoch_step)
-                if bar is not None:
-                    bar.update(1)
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     finally:
-        if bar is not None:
-            bar.close()
+        tally.close()

@@ -3,17 +3,23 @@
 The handle holds no weights. It names the model, remembers which backend serves it, and hands out
 an OpenAI client pointed at that backend, so rollout code is plain OpenAI code. Every method that
 touches the backend is async, for top-level `await` in notebooks and `asyncio.run` in scripts.
+
+Names and shapes are ART's: `config` is the user's own (any object, e.g. a pydantic model their
+rollout reads), `register` fills `inference_base_url`/`inference_api_key`/`inference_model_name`,
+and ART's experimental knobs (`_internal_config`, `lora_config`) map onto the `ModelConfig` the
+backend serves and trains with, `backend_config` (art_nb.porting says how).
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from . import porting
 from .config import ModelConfig, TrainConfig
 from .trajectory import Trajectory, TrajectoryGroup
 from .types import check_name
@@ -36,16 +42,24 @@ class HandoffTarget(Protocol):
 class Model(BaseModel):
     """A model behind an OpenAI-compatible endpoint: a baseline to compare with, or a judge.
 
-    Give `inference_base_url` (+ key) for an external endpoint, or `register` it with a backend.
+    Give `inference_base_url` (+ key, + `inference_model_name` if the endpoint names it otherwise);
+    `register` it with a backend to log its rollouts next to the trained model's.
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
 
     name: str
     project: str = "default"
+    config: Any = None
     inference_base_url: str | None = None
     inference_api_key: str | None = Field(default=None, repr=False, exclude=True)
     inference_model_name: str | None = None
+    # ART's bookkeeping fields, accepted so ART code runs: art_nb keeps runs under the backend's path.
+    entity: str | None = None
+    id: str | None = None
+    run_id: str | None = None
+    base_path: str = ".art"
+    report_metrics: list[str] | None = None
 
     _backend: Backend | None = PrivateAttr(default=None)
     # One client per event loop (a client binds to the loop it first ran on); weak, so a closed loop's
@@ -78,24 +92,22 @@ class Model(BaseModel):
         self._backend = backend
 
     def get_inference_name(self, step: int | None = None) -> str:
-        """The model name to send to the endpoint: latest weights, or `name@step` for a checkpoint."""
-        if self._backend is not None:
+        """The model name to send to the endpoint (for a trained model, `name@step`; default: the served step)."""
+        if self.trainable and self._backend is not None:
             return self._backend.inference_model_name(self, step)
-        return self.inference_model_name or self.name
+        name = self.inference_model_name or self.name
+        return name if step is None else f"{name}@{step}"
+
+    def _endpoint(self) -> tuple[str, str]:
+        if self.inference_base_url:
+            return self.inference_base_url, self.inference_api_key or "none"
+        raise RuntimeError(f"model {self.name!r} has no endpoint: set inference_base_url (and inference_api_key)")
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         """An `AsyncOpenAI` pointed at this model's endpoint, one per event loop (clients bind to a loop)."""
         from openai import AsyncOpenAI
 
-        if self._backend is not None:
-            endpoint = self._backend.inference_endpoint(self)
-            base_url, api_key = endpoint.base_url, endpoint.api_key
-        elif self.inference_base_url:
-            base_url, api_key = self.inference_base_url, self.inference_api_key or "none"
-        else:
-            raise RuntimeError(
-                f"model {self.name!r} has no endpoint: register it with a backend or set inference_base_url"
-            )
+        base_url, api_key = self._endpoint()
         try:
             clients = self._clients.setdefault(asyncio.get_running_loop(), {})
         except RuntimeError:  # built outside a loop (e.g. to inspect it): not bound to one yet
@@ -110,27 +122,87 @@ class Model(BaseModel):
             clients[key] = client
         return client
 
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """What `litellm.completion(**params, messages=...)` needs to call this model (as in ART)."""
+        base_url, api_key = self._endpoint()
+        name = self.get_inference_name(step)
+        return {"model": f"hosted_vllm/{name}" if self.trainable else name, "base_url": base_url,
+                "api_key": api_key, "temperature": 1}
+
+    async def get_step(self) -> int:
+        """The step whose weights are served (always 0 for a model that is not trained here)."""
+        return 0
+
     async def log(
         self,
-        trajectories: Iterable[TrajectoryGroup | Trajectory] = (),
+        trajectories: Iterable[TrajectoryGroup | Trajectory | BaseException] | None = None,
         split: str = "val",
         metrics: dict[str, float] | None = None,
         *,
         step: int | None = None,
     ) -> dict[str, float]:
-        """Record trajectories (and their reward metrics, plus `metrics`) for `split` at `step` (default: the current one)."""
-        return await self.backend.log(self, list(trajectories), split=split, step=step, metrics=metrics)
+        """Record trajectories (with their reward metrics, plus `metrics`) for `split` at `step` (default:
+        the current one); `metrics` alone (`trajectories=None`) records just those.
+
+        Groups `train` already recorded, and the metrics its result already reported, are not written
+        again (ART's loop logs both after `backend.train`): each step is recorded once.
+        """
+        items = list(trajectories or ())
+        loose = [t for t in items if not isinstance(t, TrajectoryGroup)]
+        if loose:  # ART: loose trajectories (and exceptions) form one group
+            items = [t for t in items if isinstance(t, TrajectoryGroup)] + [TrajectoryGroup(loose)]
+        return await self.backend.log(self, items, split=split, step=step, metrics=metrics)
 
 
 class TrainableModel(Model):
-    """A base model plus a LoRA that `train` updates. `base_model` is a hub id or a local path."""
+    """A base model plus a LoRA that `train` updates. `base_model` is a hub id or a local path.
+
+    `config` is a `ModelConfig` (how it is served and trained) or, as in ART, the user's own
+    config object; `backend_config` is the ModelConfig either way.
+    """
 
     base_model: str
-    config: ModelConfig = Field(default_factory=ModelConfig)
+    config: Any = Field(default_factory=ModelConfig)
+    lora_config: dict[str, Any] | None = None
+    run_name: str | None = None
+    _internal_config: dict[str, Any] | None = PrivateAttr(default=None)
+
+    def __init__(self, *, _internal_config: Mapping[str, Any] | None = None, **data: Any) -> None:
+        super().__init__(**data)
+        self._internal_config = dict(_internal_config) if _internal_config is not None else None
 
     @property
     def trainable(self) -> bool:
         return True
+
+    @property
+    def backend_config(self) -> ModelConfig:
+        """The ModelConfig the backend serves and trains this model with: `config` when it is one
+        (else the defaults), with ART's `_internal_config` and `lora_config` applied."""
+        base = self.config if isinstance(self.config, ModelConfig) else ModelConfig()
+        if not self._internal_config and not self.lora_config:
+            return base
+        return porting.model_config(base, self._internal_config, self.lora_config)
+
+    async def register(self, backend: Backend, _openai_client_config: Mapping[str, Any] | None = None) -> None:
+        """Attach to `backend` and fill `inference_base_url`, `inference_api_key` and `inference_model_name`,
+        so `AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)` works."""
+        if _openai_client_config:
+            from .config import report_ignored
+
+            report_ignored({"_openai_client_config": "the endpoint is the backend's own "
+                            "(LocalBackend(port=, api_key=))"}, "TrainableModel.register")
+        await super().register(backend)
+        endpoint = backend.inference_endpoint(self)
+        self.inference_base_url = endpoint.base_url
+        self.inference_api_key = endpoint.api_key
+        self.inference_model_name = backend.inference_model_name(self)
+
+    def _endpoint(self) -> tuple[str, str]:
+        if self._backend is not None:
+            endpoint = self._backend.inference_endpoint(self)
+            return endpoint.base_url, endpoint.api_key
+        return super()._endpoint()
 
     async def get_step(self) -> int:
         """The step whose weights are served now (0 before any training): resume loops from here."""
@@ -138,13 +210,31 @@ class TrainableModel(Model):
 
     async def train(
         self,
-        groups: Iterable[TrajectoryGroup],
+        groups: Iterable[TrajectoryGroup] | None = None,
         config: TrainConfig | None = None,
+        _config: Mapping[str, Any] | None = None,
+        verbose: bool = False,
         *,
         on_progress: ProgressCallback | None = None,
+        trajectory_groups: Iterable[TrajectoryGroup] | None = None,
     ) -> TrainResult:
-        """One GRPO step on `groups`; the next request to `get_inference_name()` sees the new weights."""
-        return await self.backend.train(self, list(groups), config or TrainConfig(), on_progress=on_progress)
+        """One GRPO step on `groups`; the next request to `get_inference_name()` sees the new weights.
+
+        ART's older call (`config=art.TrainConfig(...)`, `_config={...}` of `art.dev.TrainConfig`,
+        `trajectory_groups=`) works as well: `_config` maps as `backend.train`'s arguments do.
+        """
+        chosen = groups if groups is not None else trajectory_groups
+        if chosen is None:
+            raise TypeError("train needs the gathered groups: model.train(groups)")
+        if _config:
+            config = porting.train_config(config, _config, "TrainableModel.train")
+        return await self.backend.train(self, list(chosen), config or TrainConfig(), on_progress=on_progress)
+
+    async def train_sft(self, trajectories: Iterable[Trajectory], config: Any = None, _config: Any = None,
+                        verbose: bool = False) -> None:
+        """ART's supervised fine-tuning: not built in art_nb yet."""
+        raise NotImplementedError("train_sft: supervised fine-tuning (SFT) is not built in art_nb yet; "
+                                  "train with RL (backend.train) or fine-tune the LoRA checkpoint elsewhere")
 
     async def handoff(self, backend: HandoffTarget, **kwargs: Any) -> int:
         """Continue training on `backend` (a ServerlessBackend) from this model's latest local LoRA.
@@ -153,6 +243,21 @@ class TrainableModel(Model):
         """
         return await backend.handoff(self, source=self._backend, **kwargs)
 
-    async def delete_checkpoints(self, steps: Iterable[int] | None = None, keep_last: int = 1) -> list[int]:
-        """Delete `steps`, or every checkpoint but the newest `keep_last`. The served step is always kept."""
-        return await self.backend.delete_checkpoints(self, steps, keep_last=keep_last)
+    async def delete_checkpoints(
+        self,
+        best_checkpoint_metric: str | Iterable[int] | None = "val/reward",
+        *,
+        steps: Iterable[int] | None = None,
+        keep_last: int | None = None,
+    ) -> list[int]:
+        """Delete every checkpoint but the served one and the best by `best_checkpoint_metric` (ART's
+        rule: the step whose mean of that history metric is highest; none kept for it if no step has
+        it). art_nb's older forms: `steps=[...]` deletes those, `keep_last=n` keeps the newest n.
+        The served step is always kept. Returns the steps deleted.
+        """
+        if best_checkpoint_metric is not None and not isinstance(best_checkpoint_metric, str):
+            steps = best_checkpoint_metric  # art_nb's older positional `steps`
+        if steps is not None or keep_last is not None:
+            return await self.backend.delete_checkpoints(self, steps, keep_last=keep_last or 1)
+        metric = best_checkpoint_metric if isinstance(best_checkpoint_metric, str) else "val/reward"
+        return await self.backend.delete_checkpoints(self, None, keep_last=1, best_metric=metric)

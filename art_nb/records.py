@@ -16,12 +16,13 @@ from . import events
 from .store import ModelStore
 from .trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["as_groups", "mean_and_std", "record_groups", "record_metrics", "summarize", "trajectory_record"]
+__all__ = ["as_groups", "best_step", "mean_and_std", "record_groups", "record_metrics", "summarize", "trajectory_record",
+           "unrecorded"]
 
 
 def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
     """What a person (or the dashboard) needs to read a rollout back: the conversation and its score."""
-    return {
+    record = {
         "group": group,
         "reward": trajectory.reward,
         "metrics": trajectory.metrics,
@@ -30,6 +31,10 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
         "tools": trajectory.tools,
         "logs": trajectory.logs,
     }
+    if trajectory.additional_histories:
+        record["additional_histories"] = [{"messages": h.messages(), "tools": h.tools}
+                                          for h in trajectory.additional_histories]
+    return record
 
 
 def mean_and_std(values: list[float]) -> tuple[float, float]:
@@ -71,17 +76,49 @@ def as_groups(items: list[TrajectoryGroup | Trajectory]) -> list[TrajectoryGroup
 
 
 def record_groups(store: ModelStore, model_name: str, split: str, step: int, groups: list[TrajectoryGroup],
-                  metrics: dict[str, float] | None = None) -> dict[str, float]:
-    """Write the groups' trajectories and their summary (plus `metrics`) for `split` at `step`; returns the summary.
+                  metrics: dict[str, float] | None = None, *, skip_recorded: bool = True) -> dict[str, float]:
+    """Write the groups' trajectories and their summary (plus `metrics`) for `split` at `step`; returns
+    what was recorded.
 
-    Blocking file I/O (fsync per append): call it in a worker thread from async code.
+    Each group is recorded once per model and split: a group written before (ART's loop logs the
+    groups `backend.train` already recorded) is skipped, unless `skip_recorded` is False (a train
+    step records its batch even when the same groups trained an earlier step). With no groups left, `metrics` alone are
+    recorded, and with neither nothing is written. Blocking file I/O (fsync per append): call it in
+    a worker thread from async code.
     """
+    where = f"{store.dir}:{split}"
+    groups = [g for g in groups if not skip_recorded or where not in g._recorded]
+    if not groups:
+        if metrics:
+            record_metrics(store, split, step, dict(metrics))
+            events.emit("log", model=model_name, step=step, split=split, metrics=dict(metrics))
+        return dict(metrics or {})
     records = [trajectory_record(t, group=i) for i, g in enumerate(groups) for t in g.trajectories]
     store.append_trajectories(split, step, records)
     summary = {**summarize(groups), **(metrics or {})}
     record_metrics(store, split, step, summary)
+    for group in groups:
+        group._recorded.add(where)
     events.emit("log", model=model_name, step=step, split=split, metrics=summary)
     return summary
+
+
+def unrecorded(metrics: dict[str, float], recorded: dict[str, float]) -> dict[str, float]:
+    """`metrics` less the entries `recorded` already holds with the same value (a train step's
+    metrics, passed back to `model.log` by ART's loop), so none is written twice."""
+    return {key: value for key, value in metrics.items() if key not in recorded or recorded[key] != value}
+
+
+def best_step(history: list[dict[str, Any]], metric: str) -> int | None:
+    """The step whose mean of history `metric` (e.g. "val/reward") is highest; None if no line has it.
+    Ties go to the later step, as ART's sort-then-last does."""
+    values: dict[int, list[float]] = {}
+    for line in history:
+        value = line.get(metric)
+        if isinstance(value, (int, float)) and math.isfinite(value) and isinstance(line.get("step"), int):
+            values.setdefault(line["step"], []).append(float(value))
+    means = {step: sum(v) / len(v) for step, v in values.items()}
+    return max(means, key=lambda step: (means[step], step)) if means else None
 
 
 def record_metrics(store: ModelStore, split: str, step: int, metrics: dict[str, float]) -> None:

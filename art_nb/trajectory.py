@@ -15,11 +15,15 @@ by `check_groups` before a train step, with an error naming the group, trajector
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import copy
 import json
 import math
-from collections.abc import Awaitable, Iterable
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
+from datetime import datetime
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
@@ -33,7 +37,8 @@ from pydantic import (
     model_validator,
 )
 
-__all__ = ["Choice", "Trajectory", "TrajectoryGroup", "MessageOrChoice", "template_message", "check_groups", "gathered_groups"]
+__all__ = ["Choice", "History", "MessageOrChoice", "RolloutException", "Trajectory", "TrajectoryGroup", "check_groups",
+           "gathered_groups", "template_message", "trajectory_problem"]
 
 MessageOrChoice = dict[str, Any] | Choice
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -64,24 +69,56 @@ def _check_message(index: int, item: Any) -> MessageOrChoice:
     return item
 
 
-class Trajectory(BaseModel):
-    """One rollout: the conversation, its reward, and anything the user wants to see later."""
+class History(BaseModel):
+    """Another conversation of the same rollout (ART's `additional_histories`), e.g. a sub-agent's.
+
+    It is trained on as its own sequence with the rollout's reward, and validated like the main one.
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", validate_assignment=True)
 
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
-    reward: float = 0.0
-    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
-    metadata: dict[str, Any] = Field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
-    logs: list[str] = Field(default_factory=list)
 
     @field_validator("messages_and_choices", mode="before")
     @classmethod
     def _validate_messages(cls, value: Any) -> list[MessageOrChoice]:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError("messages_and_choices must be a list of message dicts and Choices")
-        return [_check_message(i, item) for i, item in enumerate(value)]
+        return _checked_messages(value)
+
+    @model_validator(mode="after")
+    def _tool_results_answer_calls(self) -> History:
+        _check_tool_ids(self.messages())
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as plain dicts (Choices turned into assistant messages)."""
+        return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+
+
+class Trajectory(BaseModel):
+    """One rollout: the conversation, its reward, and anything the user wants to see later.
+
+    Fields and methods follow ART's (`log`, `finish`, `track_duration`, `for_logging`,
+    `additional_histories`); subclasses may add fields of their own.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", validate_assignment=True)
+
+    messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    additional_histories: list[History] = Field(default_factory=list)
+    reward: float = 0.0
+    initial_policy_version: int | None = None
+    final_policy_version: int | None = None
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    start_time: datetime = Field(default_factory=datetime.now, exclude=True)
+
+    @field_validator("messages_and_choices", mode="before")
+    @classmethod
+    def _validate_messages(cls, value: Any) -> list[MessageOrChoice]:
+        return _checked_messages(value)
 
     @field_validator("reward")
     @classmethod
@@ -92,16 +129,7 @@ class Trajectory(BaseModel):
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> Trajectory:
-        open_calls: set[str] = set()
-        for message in self.messages():
-            if message.get("role") == "assistant":
-                for call in message.get("tool_calls") or []:
-                    open_calls.add(call["id"])
-            elif message.get("role") == "tool" and message["tool_call_id"] not in open_calls:
-                raise ValueError(
-                    f"tool result answers tool_call_id {message['tool_call_id']!r}, "
-                    "which no earlier assistant message made"
-                )
+        _check_tool_ids(self.messages())
         return self
 
     def messages(self) -> list[dict[str, Any]]:
@@ -111,8 +139,64 @@ class Trajectory(BaseModel):
     def choices(self) -> list[Choice]:
         return [m for m in self.messages_and_choices if isinstance(m, Choice)]
 
+    def log(self, message: str) -> None:
+        """Keep a note with the rollout (shown with it in the run's records)."""
+        self.logs.append(message)
+
+    def finish(self) -> Trajectory:
+        """Record the seconds since the trajectory was made as `metrics["duration"]`; returns self."""
+        self.metrics["duration"] = (datetime.now() - self.start_time).total_seconds()
+        return self
+
+    @contextlib.asynccontextmanager
+    async def track_duration(self, metric_name: str) -> AsyncIterator[None]:
+        """Add the seconds spent in the block to `metrics[f"{metric_name}_duration"]`."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{metric_name}_duration"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.monotonic() - started
+
+    def for_logging(self) -> dict[str, Any]:
+        """A JSON-ready view, each message marked `trainable` (it is a sampled Choice) or not."""
+        messages = [{**(choice_to_message(m) if isinstance(m, Choice) else m), "trainable": isinstance(m, Choice)}
+                    for m in self.messages_and_choices]
+        return {"reward": self.reward, "initial_policy_version": self.initial_policy_version,
+                "final_policy_version": self.final_policy_version, "metrics": self.metrics,
+                "metadata": self.metadata, "messages": messages, "tools": self.tools, "logs": self.logs}
+
     def __str__(self) -> str:
         return f"Trajectory(reward={self.reward:.3f}, messages={len(self.messages_and_choices)})"
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when the content is: when the object was made (`start_time`) is not content, so a
+        trajectory sent over the wire and rebuilt equals the original."""
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, Trajectory)
+        mine = {k: v for k, v in self.__dict__.items() if k != "start_time"}
+        theirs = {k: v for k, v in other.__dict__.items() if k != "start_time"}
+        return mine == theirs and self.__pydantic_extra__ == other.__pydantic_extra__
+
+
+def _checked_messages(value: Any) -> list[MessageOrChoice]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("messages_and_choices must be a list of message dicts and Choices")
+    return [_check_message(i, item) for i, item in enumerate(value)]
+
+
+def _check_tool_ids(messages: list[dict[str, Any]]) -> None:
+    open_calls: set[str] = set()
+    for message in messages:
+        if message.get("role") == "assistant":
+            for call in message.get("tool_calls") or []:
+                open_calls.add(call["id"])
+        elif message.get("role") == "tool" and message["tool_call_id"] not in open_calls:
+            raise ValueError(
+                f"tool result answers tool_call_id {message['tool_call_id']!r}, "
+                "which no earlier assistant message made"
+            )
 
 
 def choice_to_message(choice: Choice) -> dict[str, Any]:
@@ -138,37 +222,85 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+class RolloutException(str):
+    """A rollout's failure as a group keeps it: the one-line text ("ValueError: ...") is the string,
+    with ART's fields (`type`, `message`, `traceback`) and the exception object itself (`exception`,
+    None once the group has been sent over the wire)."""
+
+    type: str
+    message: str
+    traceback: str
+    exception: BaseException | None
+
+    def __new__(cls, text: str, *, type: str = "", message: str = "", traceback: str = "",
+                exception: BaseException | None = None) -> RolloutException:
+        self = super().__new__(cls, text)
+        self.type, self.message, self.traceback, self.exception = type, message or text, traceback, exception
+        return self
+
+    @classmethod
+    def of(cls, value: Any) -> RolloutException:
+        """From an exception object, ART's {type, message, traceback} dict, or a line of text."""
+        if isinstance(value, RolloutException):
+            return value
+        if isinstance(value, BaseException):
+            text = "".join(traceback.format_exception_only(builtins.type(value), value)).strip()
+            return cls(text, type=builtins.type(value).__name__, message=str(value),
+                       traceback="".join(traceback.format_exception(value)), exception=value)
+        if isinstance(value, dict) and "message" in value:
+            kind = str(value.get("type") or "Exception")
+            return cls(f"{kind}: {value['message']}", type=kind, message=str(value["message"]),
+                       traceback=str(value.get("traceback") or ""))
+        if isinstance(value, str):
+            return cls(value)
+        raise TypeError(f"exceptions holds exception objects or their text; got a {builtins.type(value).__name__}")
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(
+            cls.of, serialization=core_schema.plain_serializer_function_ser_schema(str))
+
+
 class TrajectoryGroup(BaseModel):
     """Trajectories of the same scenario; GRPO's advantages are relative within a group.
 
-    Accepts finished trajectories or awaitables of them (what `gather_trajectory_groups` awaits).
+    As in ART: it takes finished trajectories, awaitables of them (what `gather_trajectory_groups`
+    or `await group` runs), and exception objects, in any mix; `exceptions=` holds failed rollouts
+    (as `RolloutException`), `metrics=` and `logs=` describe the group as a whole.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     trajectories: list[Trajectory] = Field(default_factory=list)
-    exceptions: list[str] = Field(default_factory=list)
+    exceptions: list[RolloutException] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, float | int | bool] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
+    _recorded: set[str] = PrivateAttr(default_factory=set)  # where records.record_groups wrote it
 
     def __init__(
         self,
-        trajectories: Iterable[Trajectory | Awaitable[Trajectory]] = (),
+        trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] = (),
         *,
-        exceptions: list[str] | None = None,
+        exceptions: Iterable[BaseException | str | dict[str, Any]] | None = None,
         metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float | int | bool] | None = None,
+        logs: list[str] | None = None,
     ) -> None:
         items = list(trajectories)
-        pending = [t for t in items if not isinstance(t, Trajectory)]
-        for t in pending:
-            if not asyncio.iscoroutine(t) and not isinstance(t, Awaitable):
-                raise TypeError(f"TrajectoryGroup got a {type(t).__name__}; expected Trajectory or awaitable")
+        for item in items:
+            if not isinstance(item, (Trajectory, BaseException, Awaitable)):
+                raise TypeError(f"TrajectoryGroup got a {type(item).__name__}; expected a Trajectory, an awaitable "
+                                "of one (a rollout), or an exception")
         super().__init__(
             trajectories=[t for t in items if isinstance(t, Trajectory)],
-            exceptions=exceptions or [],
-            metadata=metadata or {},
+            exceptions=[e for e in items if isinstance(e, BaseException)] + list(exceptions or []),
+            metadata=metadata or {}, metrics=metrics or {}, logs=logs or [],
         )
-        self._pending = pending
+        self._pending = [t for t in items if not isinstance(t, (Trajectory, BaseException))]
 
     @property
     def pending(self) -> list[Awaitable[Trajectory]]:
@@ -177,11 +309,60 @@ class TrajectoryGroup(BaseModel):
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
     def __len__(self) -> int:
         return len(self.trajectories)
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)
+
+    def __await__(self) -> Generator[Any, None, TrajectoryGroup]:
+        """`await group` runs its rollouts (as ART's awaitable group does); the first failure is raised."""
+        def fail_at_once(trajectory: Trajectory | None, error: BaseException | None) -> None:
+            if error is not None:
+                raise error
+
+        return self.finished(fail_at_once).__await__()
+
+    async def finished(self, on_outcome: Callable[[Trajectory | None, BaseException | None], None]) -> TrajectoryGroup:
+        """The group with its pending rollouts run concurrently: a rollout that raises an `Exception`,
+        or returns a trajectory that is no longer valid (a list changed in place: e.g. a tool result
+        whose id answers no call), becomes one of the group's exceptions; the others go on.
+
+        `on_outcome(trajectory, error)` sees each rollout as it ends; whatever it raises stops the
+        whole group (the rollouts still running are cancelled) and propagates. A rollout that returns
+        something other than a Trajectory is a programming error: TypeError, at once.
+        """
+        async def one(awaitable: Awaitable[Trajectory]) -> Trajectory | BaseException:
+            try:
+                result = await awaitable
+            except Exception as error:  # noqa: BLE001 - a failed rollout, counted by on_outcome
+                on_outcome(None, error)
+                return error
+            if not isinstance(result, Trajectory):
+                raise TypeError(f"a rollout returned {type(result).__name__}; rollouts must return art_nb.Trajectory")
+            problem = trajectory_problem(result)
+            if problem is not None:
+                error = ValueError(f"the rollout returned an invalid trajectory: {problem}")
+                on_outcome(None, error)
+                return error
+            on_outcome(result, None)
+            return result
+
+        tasks = [asyncio.ensure_future(one(p)) for p in self._pending]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return TrajectoryGroup(
+            [*self.trajectories, *results], exceptions=list(self.exceptions),
+            metadata=self.metadata, metrics=self.metrics, logs=self.logs,
+        )
 
 
 def gathered_groups(groups: Iterable[TrajectoryGroup]) -> list[TrajectoryGroup]:
@@ -210,12 +391,19 @@ def check_groups(groups: Iterable[TrajectoryGroup]) -> None:
     """
     for i, group in enumerate(groups):
         for j, trajectory in enumerate(group.trajectories):
-            fields = {name: getattr(trajectory, name) for name in type(trajectory).model_fields}
-            try:
-                type(trajectory).model_validate(fields)
-            except ValidationError as error:
-                problems = "; ".join(
-                    f"{'.'.join(str(part) for part in e['loc']) or 'trajectory'}: {e['msg'].removeprefix('Value error, ')}"
-                    for e in error.errors()
-                )
-                raise ValueError(f"groups[{i}].trajectories[{j}] is invalid: {problems}") from None
+            problem = trajectory_problem(trajectory)
+            if problem is not None:
+                raise ValueError(f"groups[{i}].trajectories[{j}] is invalid: {problem}")
+
+
+def trajectory_problem(trajectory: Trajectory) -> str | None:
+    """What is wrong with `trajectory` now (its lists may have changed since it was built), or None."""
+    fields = {name: getattr(trajectory, name) for name in type(trajectory).model_fields}
+    try:
+        type(trajectory).model_validate(fields)
+    except ValidationError as error:
+        return "; ".join(
+            f"{'.'.join(str(part) for part in e['loc']) or 'trajectory'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in error.errors()
+        )
+    return None

@@ -16,10 +16,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "InferenceEndpoint",
+    "LocalTrainResult",
+    "Message",
+    "Messages",
+    "MessagesAndChoices",
     "ModelRef",
     "ProgressCallback",
     "TrainResult",
     "TrainableModelRef",
+    "Tools",
     "check_name",
     "inference_name",
 ]
@@ -30,12 +35,28 @@ ProgressCallback = Callable[[dict[str, Any]], None]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+Message = dict[str, Any]
+"""One chat message, as OpenAI's API takes it ({"role": ..., "content": ...})."""
+Messages = list[Message]
+MessagesAndChoices = list[Any]
+"""Messages and the `Choice`s the endpoint returned, in conversation order (a trajectory's history)."""
+Tools = list[dict[str, Any]]
+"""Tool definitions, as OpenAI's `tools=` takes them."""
+
+
 @dataclass(frozen=True)
 class TrainResult:
     """What one `train` call did: the step now served, and the step's metrics."""
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalTrainResult(TrainResult):
+    """ART's name for what `LocalBackend.train` returns: also where the new checkpoint is."""
+
+    checkpoint_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +79,11 @@ class TrainableModelRef(ModelRef, Protocol):
     """A trainable model as a backend sees it (`art_nb.TrainableModel` is one)."""
 
     base_model: str
-    config: ModelConfig
+
+    @property
+    def backend_config(self) -> ModelConfig:
+        """How to serve and train it (the model's `config` may be the user's own object, as in ART)."""
+        ...
 
 
 def check_name(kind: str, value: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..config import TrainConfig
 from ..trajectory import Trajectory, TrajectoryGroup
@@ -49,7 +49,11 @@ class Backend(Protocol):
         config: TrainConfig | None = None,
         *,
         on_progress: ProgressCallback | None = None,
-    ) -> TrainResult: ...
+        **kwargs: Any,
+    ) -> TrainResult:
+        """One step. `kwargs` are ART's `backend.train` arguments (`learning_rate=`, `loss_fn=`, ...),
+        applied to `config` by `art_nb.porting.train_config`."""
+        ...
 
     async def log(
         self,
@@ -72,7 +76,11 @@ class Backend(Protocol):
         ...
 
     async def delete_checkpoints(
-        self, model: TrainableModelRef, steps: Iterable[int] | None = None, keep_last: int = 1
-    ) -> list[int]: ...
+        self, model: TrainableModelRef, steps: Iterable[int] | None = None, keep_last: int = 1,
+        *, best_metric: str | None = None,
+    ) -> list[int]:
+        """Delete `steps`, or all but the newest `keep_last`, or (ART's rule, `best_metric` given) all
+        but the served step and the step whose mean of that history metric is highest."""
+        ...
 
     async def close(self) -> None: ...

@@ -103,25 +103,26 @@ def prepare_batch(
         )
         used = False
         for j, (trajectory, advantage) in enumerate(zip(group.trajectories, advantages.tolist())):
-            try:
-                item = tokenize_trajectory(tokenizer, trajectory, max_seq_len)
-            except Exception as error:  # e.g. a chat template that rejects the conversation
-                raise ValueError(
-                    f"groups[{index}].trajectories[{j}] could not be tokenized for training: "
-                    f"{type(error).__name__}: {error}"
-                ) from error
-            if vocab_size is not None:
-                _check_vocabulary(item.input_ids, vocab_size, f"groups[{index}].trajectories[{j}]")
-            batch.truncated += item.truncated
-            batch.retokenized_choices += item.retokenized_choices
-            batch.template_fallbacks += item.template_fallbacks
-            if item.trainable_tokens == 0:
-                batch.skipped_trajectories += 1
-                continue
-            item.advantage = advantage
-            item.group_index = index
-            batch.items.append(item)
-            used = True
+            # The main conversation, then each additional history: one sequence each, same advantage.
+            for k, history in enumerate([trajectory, *trajectory.additional_histories]):
+                where = f"groups[{index}].trajectories[{j}]" + (f".additional_histories[{k - 1}]" if k else "")
+                try:
+                    item = tokenize_trajectory(tokenizer, history, max_seq_len)
+                except Exception as error:  # e.g. a chat template that rejects the conversation
+                    raise ValueError(f"{where} could not be tokenized for training: "
+                                     f"{type(error).__name__}: {error}") from error
+                if vocab_size is not None:
+                    _check_vocabulary(item.input_ids, vocab_size, where)
+                batch.truncated += item.truncated
+                batch.retokenized_choices += item.retokenized_choices
+                batch.template_fallbacks += item.template_fallbacks
+                if item.trainable_tokens == 0:
+                    batch.skipped_trajectories += k == 0  # a history without a Choice is only context
+                    continue
+                item.advantage = advantage
+                item.group_index = index
+                batch.items.append(item)
+                used = True
         batch.groups += used
     return batch
 

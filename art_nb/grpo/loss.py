@@ -7,10 +7,12 @@ so the caller can weigh every trajectory equally however long it is. Old logprob
 mask are ignored (NaN is fine there: prompt and padding have none).
 
 Departures from the papers, on purpose:
-- PPO-clip as in GRPO (DeepSeekMath) but with no KL-to-reference term; `epsilon_high` gives the
-  asymmetric "clip higher" of DAPO.
-- CISPO (MiniMax-M1) clips only the importance weight from above, as the paper's setting does,
-  and normalises per trajectory rather than over all tokens of the batch.
+- PPO-clip as in GRPO (DeepSeekMath); `epsilon_high` gives the asymmetric "clip higher" of DAPO.
+- CISPO (MiniMax-M1) caps the importance weight at 1 + epsilon_high (and, as ART allows, floors it
+  at 1 - epsilon: with ART's default epsilon of 1.0 there is no floor), and normalises per
+  trajectory rather than over all tokens of the batch.
+- The KL penalty to the reference (base) model is GRPO's: the k3 estimator added to the loss
+  (`kl_to_reference`), not ART's reshaping of the advantages by the per-token log ratio.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["masked_mean", "token_logprobs", "ppo_clip_loss", "cispo_loss"]
+__all__ = ["cispo_loss", "kl_to_reference", "masked_mean", "ppo_clip_loss", "token_logprobs"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -115,17 +117,27 @@ def cispo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     epsilon_high: float,
+    epsilon: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-sg(min(r, 1+eps_high)) A logprob per token; mean per trajectory.
+    """-sg(clip(r, 1-eps, 1+eps_high)) A logprob per token; mean per trajectory.
 
-    Unlike PPO, a clipped token keeps its gradient (through logprob); only its weight is capped.
-    Returns (loss [B], clip_fraction): the share of masked tokens whose weight was capped.
+    Unlike PPO, a clipped token keeps its gradient (through logprob); only its weight is bounded.
+    `epsilon` = 1 (ART's CISPO default) puts no floor under the weight. Returns (loss [B],
+    clip_fraction): the share of masked tokens whose weight was bounded.
     """
     ratio = torch.exp(logprobs - _outside_mask_as_current(old_logprobs, logprobs, mask)).detach()
-    weight = torch.clamp(ratio, max=1 + epsilon_high)
+    weight = torch.clamp(ratio, min=1 - epsilon, max=1 + epsilon_high)
     loss = -masked_mean(weight * advantages.unsqueeze(-1) * logprobs, mask, dim=-1)
-    clip_fraction = masked_mean((ratio > 1 + epsilon_high).float(), mask)
+    clip_fraction = masked_mean(((ratio > 1 + epsilon_high) | (ratio < 1 - epsilon)).float(), mask)
     return loss, clip_fraction
+
+
+def kl_to_reference(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(policy || reference) per trajectory [B]: the masked mean of the k3 estimator per token,
+    exp(ref - logp) - (ref - logp) - 1 (http://joschu.net/blog/kl-approx.html; GRPO, DeepSeekMath
+    eq. 4). Non-negative, 0 where the two agree; the gradient flows through `logprobs` only."""
+    log_ratio = _outside_mask_as_current(reference_logprobs.detach(), logprobs, mask) - logprobs
+    return masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask, dim=-1)
 
 
 def _outside_mask_as_current(

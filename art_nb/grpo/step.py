@@ -18,6 +18,7 @@ optimizer steps: an interrupted cell should not wait for the whole batch) and wa
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from ..config import TrainConfig
 from ..types import ProgressCallback
 from .advantages import PreparedBatch
-from .loss import cispo_loss, masked_mean, ppo_clip_loss, token_logprobs
+from .loss import cispo_loss, kl_to_reference, masked_mean, ppo_clip_loss, token_logprobs
 from .tokens import TokenizedTrajectory
 
 __all__ = ["grpo_step", "microbatches"]
@@ -42,13 +43,19 @@ def grpo_step(
     device: Any = "cpu",
     should_stop: Callable[[], bool] | None = None,
     on_progress: ProgressCallback | None = None,
+    reference: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> dict[str, float]:
     """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
 
+    `config.kl_penalty_coef` > 0 adds that times the KL to the reference model to each trajectory's
+    loss (`kl_to_reference`). The reference is `model` itself inside `reference()`: the trainer's
+    `peft_model.disable_adapter`, so the base model costs one extra forward per microbatch under
+    no_grad and no memory for a second copy. `reference_kl` in the metrics is its mean per token.
+
     Metrics: loss, entropy (mean over trained tokens), grad_norm, clip_fraction (share of trained
     tokens clipped), tokens_trained (0 when skipped), trajectories, mismatch_kl (KL from engine to
-    trainer, k3 estimator, over trained tokens that have engine logprobs), skipped_nonfinite.
-    An empty batch returns zeros and does not step.
+    trainer, k3 estimator, over trained tokens that have engine logprobs), reference_kl (KL to the
+    reference, 0 unless kl_penalty_coef > 0), skipped_nonfinite. An empty batch returns zeros and does not step.
 
     `should_stop()` True before a microbatch or before the optimizer steps abandons the step:
     gradients dropped, weights and optimizer untouched, `stopped` = 1 in the metrics. After each
@@ -59,25 +66,39 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     items = batch.items
     totals = _Totals()
+    if config.kl_penalty_coef > 0 and reference is None:
+        raise ValueError("kl_penalty_coef > 0 needs the reference model's logprobs, and this trainer gave no way "
+                         "to disable its adapter; set kl_penalty_coef=0")
     groups = microbatches(items, config.microbatch_tokens or 4096)
     for done, group in enumerate(groups, start=1):
         if should_stop is not None and should_stop():
             return _abandoned(optimizer, totals, len(items))
         mb = _collate(group, device)
+        reference_logprobs = None
+        if config.kl_penalty_coef > 0:
+            assert reference is not None
+            with torch.no_grad(), reference():
+                reference_logprobs, _ = token_logprobs(
+                    model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens, positions=mb.mask)
         logprobs, entropy = token_logprobs(
             model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens, positions=mb.mask
         )
         known = torch.isfinite(mb.engine_logprobs) & mb.mask
         old = torch.where(known, mb.engine_logprobs, logprobs.detach())
+        assert config.epsilon is not None  # TrainConfig sets each loss's default
         if config.loss == "cispo":
-            assert config.epsilon_high is not None  # TrainConfig sets CISPO's default
+            assert config.epsilon_high is not None
             per_trajectory, clip_fraction = cispo_loss(
-                logprobs, old, mb.advantages, mb.mask, config.epsilon_high
+                logprobs, old, mb.advantages, mb.mask, config.epsilon_high, config.epsilon
             )
         else:
             per_trajectory, clip_fraction = ppo_clip_loss(
                 logprobs, old, mb.advantages, mb.mask, config.epsilon, config.epsilon_high
             )
+        if reference_logprobs is not None:
+            reference_kl = kl_to_reference(logprobs, reference_logprobs, mb.mask)
+            per_trajectory = per_trajectory + config.kl_penalty_coef * reference_kl
+            totals.reference_kl += float((reference_kl.detach() * mb.mask.sum(-1)).sum())
         loss = per_trajectory.sum() / len(items)
         if not torch.isfinite(loss):
             totals.nonfinite = True
@@ -163,6 +184,7 @@ class _Totals:
         self.clipped = 0.0
         self.kl = 0.0
         self.kl_tokens = 0
+        self.reference_kl = 0.0  # sum over trained tokens of the KL to the reference (0 when not asked)
         self.nonfinite = False
 
     def add(
@@ -180,7 +202,8 @@ class _Totals:
         self.entropy += float(masked_mean(entropy, mb.mask)) * tokens
         self.clipped += float(clip_fraction) * tokens
         # k3 estimate of KL(engine || trainer) from the engine's samples: r - 1 - log r,
-        # r = p_trainer / p_engine. Non-negative per token, and 0 when the two agree.
+        # r = p_trainer / p_engine (http://joschu.net/blog/kl-approx.html). Non-negative per token,
+        # and 0 when the two agree.
         log_ratio = logprobs - torch.nan_to_num(mb.engine_logprobs)
         log_ratio = torch.where(known, log_ratio, torch.zeros_like(log_ratio))
         self.kl += float((torch.exp(log_ratio) - 1 - log_ratio).sum())
@@ -195,5 +218,6 @@ class _Totals:
             "tokens_trained": 0.0 if skipped else float(self.tokens),
             "trajectories": float(trajectories),
             "mismatch_kl": self.kl / max(self.kl_tokens, 1),
+            "reference_kl": self.reference_kl / max(self.tokens, 1),
             "skipped_nonfinite": float(skipped),
         }

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..trajectory import Choice, Trajectory, template_message
+from ..trajectory import Choice, History, Trajectory, template_message
 
 __all__ = ["TokenizedTrajectory", "tokenize_trajectory", "sampled_token_ids"]
 
@@ -67,8 +67,9 @@ def sampled_token_ids(choice: Choice) -> list[int] | None:
     return [int(i) for i in ids] if ids is not None else None
 
 
-def tokenize_trajectory(tokenizer: Any, trajectory: Trajectory, max_seq_len: int) -> TokenizedTrajectory:
-    """Token ids, trainable mask and engine logprobs for one trajectory (see module docstring).
+def tokenize_trajectory(tokenizer: Any, trajectory: Trajectory | History, max_seq_len: int) -> TokenizedTrajectory:
+    """Token ids, trainable mask and engine logprobs for one conversation (see module docstring): a
+    trajectory's main one, or one of its `additional_histories`.
 
     A trajectory without a Choice yields its prompt tokens with nothing trainable; the caller
     counts and skips it. Sequences longer than `max_seq_len` are cut and marked `truncated`.

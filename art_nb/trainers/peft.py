@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .._compat import quiet_checkpointing_alias
-from ..config import ModelConfig, TrainConfig
+from ..config import ModelConfig, TrainConfig, default_microbatch_tokens
 from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
 from ..plan import Plan, plan_for
@@ -140,11 +140,12 @@ class PeftTrainer:
             metrics["skipped_empty"] = 1.0
             return metrics
         if config.microbatch_tokens is None:
-            config = config.model_copy(update={"microbatch_tokens": 1024 if self.device == "cpu" else 8192})
+            config = config.model_copy(update={"microbatch_tokens": default_microbatch_tokens(self.device)})
         optimizer = self._optimizer_for(config)
         self.model.train()
         metrics.update(grpo_step(self.model, optimizer, batch, config, device=self.device,
-                                 should_stop=should_stop, on_progress=on_progress))
+                                 should_stop=should_stop, on_progress=on_progress,
+                                 reference=self.model.disable_adapter))
         if metrics.get("stopped"):
             return metrics
         bad = self._nonfinite_weight()

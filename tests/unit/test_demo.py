@@ -27,6 +27,14 @@ class _ChattyBackend:
     def choices(self, model):
         return dict(CHOICES)
 
+    def inference_endpoint(self, model):  # the Backend protocol's; register fills the model's fields from it
+        from art_nb.types import InferenceEndpoint
+
+        return InferenceEndpoint(base_url="http://127.0.0.1:1/v1", api_key="k")
+
+    def inference_model_name(self, model, step=None):
+        return f"{model.name}@{step or 0}"
+
 
 async def test_each_choice_is_shown_once(capsys, caplog):
     logger = logging.getLogger("art_nb")

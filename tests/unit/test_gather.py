@@ -108,7 +108,9 @@ async def test_wrong_return_type_is_a_clear_error():
 
 async def test_gather_trajectories_flat():
     result = await gather_trajectories([ok(1), ok(2), boom()], pbar_desc=None, max_exceptions=1)
-    assert sorted(t.reward for t in result) == [1, 2]
+    # As ART returns them: in order, the failed rollout in its place as the exception it raised.
+    assert [t.reward for t in result[:2]] == [1, 2]
+    assert isinstance(result[2], ValueError) and str(result[2]) == "rollout broke"
 
 
 async def test_retry_and_limit_concurrency():

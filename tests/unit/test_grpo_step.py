@@ -274,3 +274,48 @@ def test_should_stop_abandons_the_step_before_the_optimizer_steps(lora_model, st
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert all(p.grad is None for p in lora_model.parameters())
     assert not optimizer.state
+
+
+def test_kl_penalty_uses_the_base_model_and_changes_the_update(lora_model):
+    """kl_penalty_coef > 0: the reference is the model with its adapter disabled (peft's
+    disable_adapter), the penalty is in the loss, and it changes the update."""
+    items = [sequence(0, 24, 8, advantage=1.0), sequence(1, 18, 6, advantage=-1.0)]
+    with_engine_logprobs(lora_model, items)
+    start = copy.deepcopy(lora_model.state_dict())
+
+    def step(coef: float) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        lora_model.load_state_dict(start)
+        optimizer = torch.optim.SGD([p for p in lora_model.parameters() if p.requires_grad], lr=0.5)
+        metrics = grpo_step(lora_model, optimizer, PreparedBatch(items=items), TrainConfig(kl_penalty_coef=coef),
+                            reference=lora_model.disable_adapter)
+        return metrics, lora_weights(lora_model)
+
+    plain, plain_weights = step(0.0)
+    penalised, penalised_weights = step(5.0)
+    # The LoRA's B is not zero, so the policy differs from the base: a positive KL, reported.
+    assert penalised["reference_kl"] > 0 and plain["reference_kl"] == 0
+    assert penalised["loss"] > plain["loss"]
+    assert any(not torch.allclose(plain_weights[n], penalised_weights[n]) for n in plain_weights)
+
+    # reference_kl is the mean over trained tokens of the k3 estimate e^d - d - 1, d = base - policy,
+    # computed here from full forward passes of the model with and without its adapter.
+    lora_model.load_state_dict(start)
+    total, tokens = 0.0, 0
+    for item in items:
+        ids = torch.tensor([item.input_ids])
+        mask = torch.tensor(item.assistant_mask[1:])
+        with torch.no_grad():
+            policy, _ = reference_logprobs(lora_model, ids, torch.ones_like(ids))
+            with lora_model.disable_adapter():
+                base, _ = reference_logprobs(lora_model, ids, torch.ones_like(ids))
+        d = (base - policy)[0][mask]
+        total += float((torch.exp(d) - d - 1).sum())
+        tokens += int(mask.sum())
+    assert penalised["reference_kl"] == pytest.approx(total / tokens, rel=2e-3)  # float32 e^d - d - 1 at d ~ 1e-2
+
+
+def test_kl_penalty_without_a_reference_is_refused(lora_model):
+    item = sequence(0, 20, 5, advantage=1.0)
+    optimizer = torch.optim.SGD([p for p in lora_model.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(ValueError, match="kl_penalty_coef"):
+        grpo_step(lora_model, optimizer, PreparedBatch(items=[item]), TrainConfig(kl_penalty_coef=0.1))

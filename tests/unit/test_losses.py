@@ -1,4 +1,4 @@
-"""masked_mean, PPO-clip and CISPO against values worked out by hand.
+"""masked_mean, PPO-clip, CISPO and the KL to the reference against values worked out by hand.
 
 Both trajectories have ratios (1, 1.5, 0.5) on their three tokens; the second masks its third.
 """
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from art_nb.grpo.loss import cispo_loss, masked_mean, ppo_clip_loss
+from art_nb.grpo.loss import cispo_loss, kl_to_reference, masked_mean, ppo_clip_loss
 
 MASK = torch.tensor([[True, True, True], [True, True, False]])
 ADVANTAGES = torch.tensor([1.0, -2.0])
@@ -75,3 +75,30 @@ def test_losses_agree_on_policy():
     cispo, _ = cispo_loss(lp, lp.detach(), ADVANTAGES, MASK, epsilon_high=0.2)
     (cispo_grad,) = torch.autograd.grad(cispo.sum(), lp)
     torch.testing.assert_close(ppo_grad, cispo_grad)
+
+
+def test_cispo_floor_from_epsilon():
+    lp = logprobs()
+    loss, clip_fraction = cispo_loss(lp, old(lp), ADVANTAGES, MASK, epsilon_high=0.2, epsilon=0.4)
+    # weights clip(r, .6, 1.2) = (1, 1.2, .6): row 0's r=.5 is raised to the floor
+    # row 0: -((1)(-1) + (1.2)(-2) + (.6)(-.5)) / 3 = 3.7 / 3;  row 1 as without a floor: -3.4
+    torch.testing.assert_close(loss, torch.tensor([3.7 / 3, -3.4]))
+    assert clip_fraction.item() == pytest.approx(3 / 5)  # two capped above, one floored
+    # ART's CISPO default (epsilon 1.0) has no floor: the same as leaving it out
+    default, _ = cispo_loss(lp, old(lp), ADVANTAGES, MASK, epsilon_high=0.2, epsilon=1.0)
+    torch.testing.assert_close(default, torch.tensor([3.65 / 3, -3.4]))
+
+
+def test_kl_to_reference_by_hand():
+    lp = logprobs()
+    # reference logprobs: d = ref - logp = (0, ln 2, -ln 2) on row 0, (ln 2, 0, NaN-masked) on row 1
+    reference = lp.detach() + torch.log(torch.tensor([[1.0, 2.0, 0.5], [2.0, 1.0, 1.0]]))
+    reference[1, 2] = math.nan  # masked: must not leak
+    kl = kl_to_reference(lp, reference, MASK)
+    # k3 per token: e^d - d - 1 -> 0, 1 - ln 2, ln 2 - 0.5; row 1: 1 - ln 2, 0
+    ln2 = math.log(2)
+    torch.testing.assert_close(kl, torch.tensor([(1 - ln2 + ln2 - 0.5) / 3, (1 - ln2) / 2]))
+    kl.sum().backward()
+    # d/dlogp of e^(ref - logp) - (ref - logp) - 1 is 1 - e^d, over each row's masked tokens
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1 / 3, 0.5 / 3], [-1 / 2, 0.0, 0.0]]))
+    assert torch.all(kl_to_reference(lp, lp.detach(), MASK) == 0)  # same model: no KL

@@ -18,12 +18,16 @@ What a step does when things go wrong (docs/robustness.md has the tests):
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
-from ...config import TrainConfig
+from ... import s3
+from ...config import TrainConfig, report_ignored
+from ...porting import train_config
+from ...store import model_dir as store_model_dir
 from ...trajectory import Trajectory, TrajectoryGroup, gathered_groups
 from ...types import (
     InferenceEndpoint,
@@ -47,15 +51,33 @@ class LocalBackend:
     """Serve and train in this process. `path` is where checkpoints and logs go.
 
     The inference server binds to 127.0.0.1 on a free port; binding elsewhere requires `api_key`.
+    ART's arguments are accepted: `in_process` (art_nb always runs in this process) and
+    `gpu_cost_per_hour_usd` (no cost accounting here; reported once).
     """
 
-    def __init__(self, path: str | os.PathLike[str] = ".art", *, host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None) -> None:
-        self.path = Path(path).expanduser().resolve()
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, in_process: bool = True,
+                 host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 gpu_cost_per_hour_usd: float | None = None) -> None:
+        if gpu_cost_per_hour_usd is not None:
+            report_ignored({"gpu_cost_per_hour_usd": "art_nb records no costs"}, "LocalBackend")
+        self.path = Path(".art" if path is None else path).expanduser().resolve()
         self._runtime = runtime_for(self.path, host, port, api_key)
 
     def __repr__(self) -> str:
         return f"LocalBackend(path={str(self.path)!r})"
+
+    def __enter__(self) -> LocalBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close from synchronous code (ART's `with LocalBackend() as backend:`)."""
+        self.loop.run_sync(self._close())
+
+    async def __aenter__(self) -> LocalBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @property
     def loop(self) -> BackgroundLoop:
@@ -71,30 +93,41 @@ class LocalBackend:
         return create_app(self._runtime, gate)
 
     async def register(self, model: ModelRef) -> None:
+        """Serve and train a TrainableModel; a `Model` served elsewhere (a baseline) is registered for
+        logging only: `model.log` records its rollouts under this path, nothing is served."""
         if not model.trainable:
-            raise TypeError(
-                "LocalBackend serves TrainableModels; for a model behind another endpoint, give "
-                "Model(inference_base_url=...) instead of registering it"
-            )
+            self._runtime.register_for_logging(model)
+            return
         await self.loop.run(self._runtime.register(model))  # type: ignore[arg-type]
 
     def choices(self, model: ModelRef) -> dict[str, str]:
         """What was chosen automatically for `model` (engine, trainer, dtype, threads...) and why."""
+        if not model.trainable:
+            return {}
         return dict(self._runtime.state(model).choices)
 
     def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint:
         return InferenceEndpoint(base_url=self._runtime.base_url, api_key=self._runtime.api_key)
 
     def inference_model_name(self, model: ModelRef, step: int | None = None) -> str:
-        """`name` (or `project/name` when another project registered that name first), `@step` for a checkpoint."""
+        """`name@step`, the served step by default (as ART's LocalBackend names it); `name` is `project/name`
+        when another project registered that name first. The base model is served under its own name."""
+        if step is None:
+            step = self._runtime.state(model).step
         return inference_name(self._runtime.served_name(model.project, model.name), step)
 
     async def get_step(self, model: TrainableModelRef) -> int:
         return self._runtime.state(model).step
 
     async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup],
-                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None) -> TrainResult:
-        """One GRPO step. `on_progress` is called from the trainer's thread after each microbatch."""
+                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None,
+                    **kwargs: Any) -> TrainResult:
+        """One GRPO step. ART's call works unchanged: `backend.train(model, groups, learning_rate=...,
+        loss_fn=..., kl_penalty_coef=..., ...)` (art_nb.porting maps each argument onto TrainConfig,
+        reporting once those with no equivalent). `on_progress` is called from the trainer's thread
+        after each microbatch. Returns the new step, its metrics and its checkpoint's path."""
+        if kwargs:
+            config = train_config(config, kwargs, "LocalBackend.train")
         groups = gathered_groups(groups)  # trajectories changed in place since they were built are checked again
         return await self.loop.run(self._runtime.train(model, groups, config or TrainConfig(), on_progress))
 
@@ -103,9 +136,11 @@ class LocalBackend:
         return await self.loop.run(self._runtime.log(model, list(trajectories), split, step, metrics))
 
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None = None,
-                                 keep_last: int = 1) -> list[int]:
+                                 keep_last: int = 1, *, best_metric: str | None = None) -> list[int]:
+        """Delete checkpoints: `steps`, or all but the newest `keep_last`, or (ART's rule) all but the
+        served one and the best by history metric `best_metric`. The served step is always kept."""
         steps = None if steps is None else list(steps)
-        return await self.loop.run(self._runtime.delete_checkpoints(model, steps, keep_last))
+        return await self.loop.run(self._runtime.delete_checkpoints(model, steps, keep_last, best_metric))
 
     async def wait_for_checkpoint(self, model: TrainableModelRef) -> int:
         """Wait until the served step's checkpoint is complete on disk, and return that step.
@@ -125,11 +160,44 @@ class LocalBackend:
         return state.store.checkpoint_dir(state.step if step is None else step)
 
     def model_dir(self, model: ModelRef) -> Path:
-        return self._runtime.state(model).store.dir
+        key = (model.project, model.name)
+        if key in self._runtime.models or key in self._runtime.logged:
+            return self._runtime.store(model).dir
+        return store_model_dir(self.path, model.project, model.name)
+
+    async def _experimental_push_to_s3(self, model: ModelRef, *, s3_bucket: str | None = None,
+                                       prefix: str | None = None, verbose: bool = False, delete: bool = False) -> None:
+        """Upload the model's directory (checkpoints, history, trajectories) to
+        s3://{bucket}/{prefix}/{project}/models/{name}/ (bucket: `s3_bucket` or $BACKUP_BUCKET), as ART
+        lays it out. Waits for the served checkpoint to be complete first. Needs `pip install art-nb[s3]`."""
+        if model.trainable and (model.project, model.name) in self._runtime.models:
+            await self.wait_for_checkpoint(model)  # type: ignore[arg-type]
+        await asyncio.to_thread(s3.push, self.model_dir(model), s3.model_url(model.project, model.name, s3_bucket, prefix),
+                                delete=delete, verbose=verbose)
+
+    async def _experimental_pull_from_s3(self, model: ModelRef, *, s3_bucket: str | None = None,
+                                         prefix: str | None = None, verbose: bool = False, delete: bool = False,
+                                         only_step: int | Literal["latest"] | None = None,
+                                         step: int | None = None, latest_only: bool = False,
+                                         exclude: list[str] | None = None) -> None:
+        """Download the model's directory from S3 (the layout `_experimental_push_to_s3` writes) before
+        `register`, which then resumes from the latest checkpoint pulled. `only_step` (an int or
+        "latest") pulls one checkpoint plus the run's records; `exclude` skips "checkpoints", "logs"
+        (history) or "trajectories". Needs `pip install art-nb[s3]`."""
+        if (model.project, model.name) in self._runtime.models:
+            raise RuntimeError(f"{model.name!r} is registered already: pull from S3 before `await model.register(backend)` "
+                               "(a running model's checkpoints must not change under it)")
+        only = step if step is not None else ("latest" if latest_only and only_step is None else only_step)
+        await asyncio.to_thread(s3.pull, s3.model_url(model.project, model.name, s3_bucket, prefix),
+                                store_model_dir(self.path, model.project, model.name), only_step=only,
+                                delete=delete, exclude=exclude or [], verbose=verbose)
 
     async def close(self) -> None:
         """Stop the engine and server for this path (the next register starts fresh)."""
-        await self.loop.run(self._runtime.close())
+        await self.loop.run(self._close())
+
+    async def _close(self) -> None:
+        await self._runtime.close()
         forget(self._runtime)
 
     def _state(self, model: ModelRef) -> ModelState:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...config import ModelConfig, TrainConfig
-from ...records import as_groups, record_groups
+from ...records import as_groups, best_step, record_groups, unrecorded
 from ...store import CheckpointError, ModelStore
 from ...trajectory import Trajectory, TrajectoryGroup
 from ...types import ModelRef, ProgressCallback, TrainableModelRef, TrainResult
@@ -67,6 +67,7 @@ class Runtime:
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.loop = BackgroundLoop()
         self.models: dict[tuple[str, str], ModelState] = {}  # (project, name)
+        self.logged: dict[tuple[str, str], ModelStore] = {}  # models registered for logging only
         self._registering: dict[tuple[str, str], asyncio.Lock] = {}
         self.engines: dict[tuple[str, str], Engine] = {}  # (base model path, engine kind)
         self.server: RunningServer | None = None
@@ -90,7 +91,13 @@ class Runtime:
         from ...server import ServedModel
 
         state, step_text = self._served(model_name)
-        if state is None or (step_text and not step_text.isdigit()):
+        if state is None:
+            base = next((s for s in self.models.values() if s.base_model == model_name), None)
+            if base is None:
+                raise KeyError(model_name)
+            # The base model under its own hub name (a baseline player, as ART's vLLM serves it).
+            return ServedModel(engine=base.engine, adapter=None, name=base.base_model)
+        if step_text and not step_text.isdigit():
             raise KeyError(model_name)
         step = int(step_text) if step_text else state.step
         if step == 0:  # a fresh LoRA is the identity: step 0 is the base weights
@@ -108,6 +115,7 @@ class Runtime:
             prefix = "" if self.served_name(state.project, state.model_name) == state.model_name else f"{state.project}/"
             names.append(prefix + state.model_name)
             names.extend(prefix + state.adapter_name(s) for s in sorted(set(state.store.steps()) | state.loaded_adapters))
+        names.extend(dict.fromkeys(state.base_model for state in self.models.values()))
         return names
 
     def served_name(self, project: str, name: str) -> str:
@@ -135,6 +143,22 @@ class Runtime:
             raise RuntimeError(f"model {model.name!r} (project {model.project!r}) is not registered with this backend")
         return state
 
+    def store(self, model: ModelRef) -> ModelStore:
+        """Where `model`'s records go: a trained model's store, or that of a model registered for logging."""
+        key = (model.project, model.name)
+        if key in self.logged:
+            return self.logged[key]
+        return self.state(model).store
+
+    def register_for_logging(self, model: ModelRef) -> None:
+        """A model served elsewhere (a baseline, a judge): its rollouts are recorded here, nothing is served."""
+        key = (model.project, model.name)
+        if key in self.models:
+            raise ValueError(f"{model.name!r} (project {model.project!r}) is registered here as a trainable model; "
+                             "give the baseline another name")
+        if key not in self.logged:
+            self.logged[key] = ModelStore(self.path, model.project, model.name)
+
     async def register(self, model: TrainableModelRef) -> dict[str, str]:
         """Load `model` once, however many registers of it run at once; reuse it afterwards."""
         await self.ensure_server()
@@ -142,7 +166,7 @@ class Runtime:
         async with self._registering.setdefault(key, asyncio.Lock()):
             state = self.models.get(key)
             if state is not None:
-                if state.base_model != model.base_model or state.config != model.config:
+                if state.base_model != model.base_model or state.config != model.backend_config:
                     raise ValueError(
                         f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
                         "different config; use a new name, or restart the kernel to change it"
@@ -188,16 +212,16 @@ class Runtime:
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
         try:
             resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
-            plan = plan_for(model.config)
+            plan = plan_for(model.backend_config)
             choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
             for key, why in choices.items():
                 _log.info("%s: %s", key, why)
             engine_key = (str(resolved.path), plan.engine)
             engine = self.engines.get(engine_key)
             if engine is None:
-                engine = await _create_engine(plan, resolved.path, model.config)
+                engine = await _create_engine(plan, resolved.path, model.backend_config)
                 self.engines[engine_key] = engine
-            trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.config)
+            trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.backend_config)
         except BaseException:
             store.release_writer()
             raise
@@ -210,7 +234,7 @@ class Runtime:
             await asyncio.to_thread(trainer.load, store.checkpoint_dir(step))
             choices["resume"] = f"resumed at step {step} from {store.checkpoint_dir(step)} (optimizer state included)"
             _log.info("resume: %s", choices["resume"])
-        state = ModelState(model.name, model.project, model.base_model, model.config, plan, store, engine, trainer,
+        state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine, trainer,
                            step, choices)
         if step > 0:
             await engine.load_adapter(state.adapter_name(step), store.checkpoint_dir(step))
@@ -230,16 +254,25 @@ class Runtime:
 
     async def log(self, model: ModelRef, items: list[TrajectoryGroup | Trajectory], split: str, step: int | None,
                   metrics: dict[str, float] | None) -> dict[str, float]:
-        state = self.state(model)
-        step = state.step if step is None else step
-        return await asyncio.to_thread(record_groups, state.store, state.model_name, split, step, as_groups(items),
-                                       metrics)
+        store = self.store(model)
+        state = self.models.get((model.project, model.name))
+        if step is None:
+            step = state.step if state is not None else 0
+        if metrics and state is not None and split == "train":
+            metrics = unrecorded(metrics, state.train_metrics)  # what the train step reported already
+        return await asyncio.to_thread(record_groups, store, model.name, split, step, as_groups(items), metrics)
 
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None,
-                                 keep_last: int) -> list[int]:
+                                 keep_last: int, best_metric: str | None = None) -> list[int]:
         state = self.state(model)
         existing = state.store.steps()
-        targets = set(steps) if steps is not None else set(existing[: max(0, len(existing) - max(keep_last, 1))])
+        if best_metric is not None:  # ART's rule: keep the served step and the best by a history metric
+            best = best_step(await asyncio.to_thread(state.store.read_history), best_metric)
+            targets = set(existing) - {best}
+        elif steps is not None:
+            targets = set(steps)
+        else:
+            targets = set(existing[: max(0, len(existing) - max(keep_last, 1))])
         targets.discard(state.step)
         await settle(state, await self.ensure_server())
         for step in targets & state.loaded_adapters:

@@ -52,6 +52,7 @@ class ModelState:
     # The newest step's checkpoint being finished in the background (its seconds when done).
     commit: asyncio.Future[float] | None = None
     commit_seconds: float | None = None  # how long the last one took, for the next step's metrics
+    train_metrics: dict[str, float] = field(default_factory=dict)  # what the last step recorded and returned
 
     def adapter_name(self, step: int) -> str:
         return inference_name(self.model_name, step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from ... import events
 from ...config import TrainConfig
 from ...records import record_groups, record_metrics
 from ...trajectory import TrajectoryGroup
-from ...types import ProgressCallback, TrainResult
+from ...types import LocalTrainResult, ProgressCallback, TrainResult
 from .commit import settle, start_commit
 from .state import ModelState, StepControl, TrainingStoppedError
 
@@ -42,7 +43,8 @@ async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryG
         if state.commit_seconds is not None:  # reported with the step after it
             settled = {"time/commit_previous": state.commit_seconds, "time/commit_wait": time.perf_counter() - started}
             state.commit_seconds = None
-        await asyncio.to_thread(record_groups, state.store, state.model_name, "train", state.step, groups)
+        await asyncio.to_thread(functools.partial(record_groups, skip_recorded=False), state.store,
+                                state.model_name, "train", state.step, groups)
         control = StepControl()
         update = asyncio.ensure_future(
             _update(state, gate, groups, config, control, _guarded(on_progress), settled, started))
@@ -109,9 +111,10 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
     metrics = {**metrics, **timings}
     # The update made from step `step`'s rollouts; its weights are served as `new_step`.
     await asyncio.to_thread(record_metrics, state.store, "train", step, metrics)
-    events.emit("train_finished", model=state.model_name, step=new_step, metrics=metrics,
-                checkpoint=str(state.store.checkpoint_dir(new_step)))
-    return TrainResult(step=new_step, metrics=metrics)
+    state.train_metrics = metrics
+    checkpoint = str(state.store.checkpoint_dir(new_step))
+    events.emit("train_finished", model=state.model_name, step=new_step, metrics=metrics, checkpoint=checkpoint)
+    return LocalTrainResult(step=new_step, metrics=metrics, checkpoint_path=checkpoint)
 
 
 def _stage(state: ModelState, step: int) -> tuple[Path, Any]:

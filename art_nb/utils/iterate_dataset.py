@@ -1,0 +1,66 @@
+"""`iterate_dataset`: the scenarios of each training step, shuffled per epoch, resumable at any step."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["DatasetBatch", "iterate_dataset"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DatasetBatch(Generic[T]):
+    items: list[T]
+    step: int
+    epoch: int
+    epoch_step: int
+
+
+def iterate_dataset(
+    dataset: Sequence[T],
+    groups_per_step: int = 1,
+    num_epochs: int = 1,
+    initial_step: int = 0,
+    use_tqdm: bool = True,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> Iterator[DatasetBatch[T]]:
+    """Batches of `groups_per_step` scenarios, one per training step, over `num_epochs` epochs.
+
+    Resumable: `initial_step=await model.get_step()` yields exactly the batches a run that was never
+    interrupted would have seen from that step on. Epoch `e` is shuffled by `random.Random(seed + e)`:
+    with the default seed 0 that is the order ART's `iterate_dataset` gives (it seeds the global
+    generator with the epoch number; this one leaves the global generator alone).
+    """
+    if groups_per_step < 1:
+        raise ValueError(f"groups_per_step must be >= 1; got {groups_per_step}")
+    if len(dataset) == 0:
+        raise ValueError("dataset is empty: give iterate_dataset at least one scenario")
+    steps_per_epoch = -(-len(dataset) // groups_per_step)
+    total = steps_per_epoch * num_epochs
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=min(initial_step, total), desc="steps", dynamic_ncols=True)
+    try:
+        for epoch in range(num_epochs):
+            order = list(range(len(dataset)))
+            if shuffle:
+                random.Random(seed + epoch).shuffle(order)
+            for epoch_step in range(steps_per_epoch):
+                step = epoch * steps_per_epoch + epoch_step
+                if step < initial_step:
+                    continue
+                picked = order[epoch_step * groups_per_step : (epoch_step + 1) * groups_per_step]
+                yield DatasetBatch([dataset[i] for i in picked], step, epoch, epoch_step)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
