@@ -35,7 +35,9 @@ def _filesystem() -> Any:
     except ImportError:
         raise ImportError("S3 needs s3fs, which is not installed: pip install 'art-nb[s3]' "
                           "(or pip install s3fs)") from None
-    return s3fs.S3FileSystem()
+    # A fresh instance each time (no fsspec instance or listing cache): the endpoint and credentials
+    # are read from the environment now, and a listing reflects the bucket now.
+    return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
 
 
 def model_url(project: str, name: str, bucket: str | None, prefix: str | None) -> str:
