@@ -74,8 +74,8 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
     in the background. None when `control.stop` abandoned the step."""
     step, new_step = state.step, state.step + 1
     mark = time.perf_counter()
-    await gate.pause()
     try:
+        await gate.pause()  # inside: an interrupt while requests drain must reopen the gate too
         timings["time/pause"] = time.perf_counter() - mark
         events.emit("train_started", model=state.model_name, step=step, groups=len(groups))
         mark = time.perf_counter()
