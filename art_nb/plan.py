@@ -119,4 +119,5 @@ def _four_bit_reason(device: str, trainer: str) -> str:
             "ModelConfig(load_in_4bit=True) needs bitsandbytes for the peft trainer: pip install bitsandbytes "
             "(or install Unsloth: pip install 'art-nb[gpu]'), or set load_in_4bit=False"
         )
-    return "4-bit: the trainer's base weights are NF4 (bitsandbytes), LoRA weights and compute in the plan's dtype"
+    return ("4-bit: the trainer's linear layers are NF4 (bitsandbytes), computing in the plan's dtype; "
+            "embeddings, norms and lm head stay in it; LoRA weights are float32")

@@ -144,9 +144,9 @@ class ArtSide:
         from art_nb.trainers.peft import PeftTrainer
 
         self.groups = load_groups(batch["groups"])
-        self.config = TrainConfig(learning_rate=LEARNING_RATE)
+        self.config = TrainConfig(learning_rate=LEARNING_RATE, loss="ppo")  # what was measured against TRL
         self.trainer = PeftTrainer(model_path, ModelConfig(
-            dtype="float32", max_seq_len=MAX_SEQ_LEN, lora=LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)), device="cpu")
+            dtype="float32", max_seq_len=MAX_SEQ_LEN, lora=LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)))  # on CPU the plan gives cpu
         self._check_tokens(batch)
 
     def _check_tokens(self, batch: dict[str, Any]) -> None:
