@@ -1,0 +1,17 @@
+#!/bin/bash
+# What the lead runs on the H200 (device tool) for tests/gpu, after the parts are stashed there
+# (../shared/gpu/README.md). Runs a committed snapshot (`git archive HEAD > gpu_snapshot.tar`, carried
+# with the working tree) so the code tested is exactly one commit; logs and JSON go to $OUT.
+#   bash tests/gpu/run_on_h200.sh [pytest args...]
+set -uo pipefail
+ROOT=$(pwd)
+bash .gpu/bin/unpack.sh >/dev/null && source .gpu/bin/env.sh
+SNAP=/root/snap && rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xf gpu_snapshot.tar -C "$SNAP"
+cd "$SNAP"
+{ date -u; nvidia-smi; python3 -c "import torch, transformers, peft, vllm, unsloth, trl, bitsandbytes as b, sys; \
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', \
+peft.__version__, 'vllm', vllm.__version__, 'unsloth', unsloth.__version__, 'trl', trl.__version__, 'bitsandbytes', b.__version__)"; \
+  cat "$ROOT/gpu_snapshot.commit"; } > "$OUT/env.txt" 2>&1
+ART_NB_GPU_RESULTS=$OUT timeout 540 python3 -m pytest -q -p no:cacheprovider -rA "$@" tests/gpu 2>&1 \
+  | grep -v "DEBUG" > "$OUT/gpu_tests.log"
+tail -30 "$OUT/gpu_tests.log"
