@@ -19,6 +19,8 @@ __all__ = [
     "OpenAIServerConfig",
     "PeftArgs",
     "ServerArgs",
+    "TinkerArgs",
+    "TinkerTrainingClientArgs",
     "TrainConfig",
     "TrainSFTConfig",
     "TrainerArgs",
@@ -88,6 +90,23 @@ class TrainerArgs(TypedDict, total=False):
     seed: int
 
 
+class TinkerTrainingClientArgs(TypedDict, total=False):
+    """ART's Tinker training client (a hosted trainer art_nb does not use)."""
+
+    rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+
+
+class TinkerArgs(TypedDict, total=False):
+    """ART's Tinker backend settings: accepted, reported as having no equivalent in art_nb."""
+
+    renderer_name: str
+    training_client_args: TinkerTrainingClientArgs
+
+
 class InternalModelConfig(TypedDict, total=False):
     """ART's `TrainableModel(_internal_config=...)`: engine, loader, LoRA and trainer knobs."""
 
@@ -95,6 +114,7 @@ class InternalModelConfig(TypedDict, total=False):
     engine_args: EngineArgs
     peft_args: PeftArgs
     trainer_args: TrainerArgs
+    tinker_args: TinkerArgs | None
     trainer_gpu_ids: list[int]
     inference_gpu_ids: list[int]
     chat_template: str
