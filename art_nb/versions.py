@@ -38,6 +38,7 @@ __all__ = [
     "check_versions",
     "check_stack",
     "constraints_file",
+    "stack_differences",
     "gpu_path_for",
     "pins",
     "stack_for",
@@ -225,19 +226,24 @@ def stack_for(capability: tuple[int, int] | None) -> str:
     return "ampere" if capability >= (8, 0) else "turing"
 
 
-def check_stack(stack: str, only: set[str] | None = None) -> list[str]:
-    """One line per installed package whose release differs from `stack`'s pin (local builds such as
-    "+cu130" compare equal); packages not installed are left to the extras. `only`: normalized names."""
-    lines = []
+def stack_differences(stack: str, only: set[str] | None = None) -> list[tuple[str, str, str]]:
+    """(name, installed, pinned) for each installed package whose release differs from `stack`'s pin
+    (local builds such as "+cu130" compare equal); packages not installed are left to the extras.
+    `only`: normalized names to look at."""
+    found = []
     for name, pinned in pins(stack).items():
         if only is not None and name not in only:
             continue
         version = installed_version(name)
-        if version is None or parse_version(version) == parse_version(pinned):
-            continue
-        lines.append(f"{name} {version} is installed; the {stack} set art_nb tested has {pinned} "
-                     f"(pip install '{name}=={pinned}')")
-    return lines
+        if version is not None and parse_version(version) != parse_version(pinned):
+            found.append((name, version, pinned))
+    return found
+
+
+def check_stack(stack: str, only: set[str] | None = None) -> list[str]:
+    """One warning per package that differs from `stack`'s constraint file (`stack_differences`)."""
+    return [f"{name} {version} is installed; the {stack} set art_nb tested has {pinned} "
+            f"(pip install '{name}=={pinned}')" for name, version, pinned in stack_differences(stack, only)]
 
 
 def gpu_path_for(capability: tuple[int, int], vllm_version: str | None) -> tuple[str, str]:

@@ -8,30 +8,40 @@ a `Hardware` value, which is what the unit tests feed it.
 The policy, in short:
 
 - no CUDA GPU: the offline tiny model (SmolLM2-135M-Instruct), float32, transformers engine +
-  peft trainer, a few small steps (a step takes about a minute on a laptop CPU);
+  peft trainer, a few small steps (a tic-tac-toe step took 130-254 s on a 2-core CPU);
 - Turing/Volta (T4 on Colab, sm75): float16 (no bf16 there), the transformers engine unless an old
   enough vLLM was installed on purpose (`versions.gpu_path_for`), Unsloth training, a 0.5B model;
 - Ampere and newer (A100, L4, H100: sm80+): bfloat16, vLLM, Unsloth, a larger model by memory.
+
+The learning rate follows the model's size (`learning_rate_for_size`), not the hardware row, so a
+base model set in the parameters cell (or injected by papermill) gets a rate that learns with it:
+SmolLM2-135M with the 7B model's 2e-5 did not move its evaluation in 12 steps on an H200, at 2e-4 it
+learned. `NotebookDefaults.learning_rate_for(BASE_MODEL, LEARNING_RATE)` applies the rule unless the
+user set a rate.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..memory import count_parameters
 from ..models import TINY_MODEL
 from ..plan import compute_dtype
-from ..versions import gpu_path_for, installed_version
+from ..versions import gpu_path_for, installed_version, stack_differences, stack_for
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
 
-__all__ = ["Hardware", "NotebookDefaults", "detect_hardware", "in_colab", "pick_defaults"]
+__all__ = ["Hardware", "NotebookDefaults", "detect_hardware", "from_nvidia_smi", "in_colab", "learning_rate_for_size",
+           "parameter_count", "pick_defaults"]
 
 TASKS = ("tic_tac_toe", "2048", "custom")
 
@@ -89,10 +99,12 @@ def detect_hardware() -> Hardware:
         props = torch.cuda.get_device_properties(0)
         return replace(base, gpu_name=props.name, gpu_capability=(props.major, props.minor),
                        gpu_memory_gib=props.total_memory / 1024**3)
-    return _from_nvidia_smi(base)
+    return from_nvidia_smi(base)
 
 
-def _from_nvidia_smi(base: Hardware) -> Hardware:
+def from_nvidia_smi(base: Hardware) -> Hardware:
+    """`base` with the first GPU `nvidia-smi` reports (unchanged without one): no torch needed, so the
+    install cell can ask before torch is installed or imported."""
     if shutil.which("nvidia-smi") is None:
         return base
     try:
@@ -139,18 +151,38 @@ class NotebookDefaults:
         values.update(overrides)
         return ModelConfig(**values)
 
+    def learning_rate_for(self, base_model: str, learning_rate: float) -> float:
+        """`learning_rate` when the user set one, else the rate for `base_model`'s size (the parameters
+        cell's default was picked for the default model, which the user may have replaced)."""
+        if learning_rate != self.learning_rate:
+            return learning_rate
+        return self._rate(base_model)[0]
+
+    def _rate(self, base_model: str) -> tuple[float, str]:
+        if base_model == self.base_model:
+            return self.learning_rate, self.reasons.get("learning_rate", "")
+        return learning_rate_for_size(parameter_count(base_model), self.hardware.has_gpu, self.learning_rate)
+
     def report(self, **chosen: Any) -> ChoicesReport:
         """A table of the values in use (pass the parameters cell's values by name) with the reason
-        for each: the hardware's when it is the default, "set in the parameters cell" otherwise."""
+        for each: the hardware's when it is the default, "set in the parameters cell" otherwise; the
+        learning rate's default is the one for the chosen base model. A last row says whether the
+        installed packages are the set art_nb tested on this hardware."""
         rows = []
+        base_model = chosen.get("base_model", chosen.get("BASE_MODEL", self.base_model))
         for name in ("base_model", "steps", "groups_per_step", "rollouts_per_group", "learning_rate", "max_seq_len",
                      "eval_games", "max_turns", "dtype", "engine", "trainer"):
-            default = getattr(self, name)
+            default, reason = getattr(self, name), self.reasons.get(name, "")
+            if name == "learning_rate":
+                default, reason = self._rate(base_model)
             if default is None:
                 continue
             value = chosen.get(name, chosen.get(name.upper(), default))
-            why = self.reasons.get(name, "") if value == default else "set in the parameters cell"
-            rows.append((name, value, why))
+            rows.append((name, value, reason if value == default else "set in the parameters cell"))
+        stack = stack_for(self.hardware.gpu_capability)
+        differences = [f"{name} {version} (tested {pinned})" for name, version, pinned in stack_differences(stack)]
+        rows.append(("packages", f"{stack} set", "as art_nb tested them" if not differences else
+                     "differ from the set art_nb tested: " + ", ".join(differences)))
         return ChoicesReport(self.hardware.describe(), rows)
 
 
@@ -177,13 +209,51 @@ class ChoicesReport:
 
 
 # The larger models for GPUs, by memory; each fits LoRA training next to vLLM with room to spare.
-_GPU_MODELS: tuple[tuple[float, str, float], ...] = (
-    # (at least this many GiB, base model, learning rate)
-    (70.0, "Qwen/Qwen2.5-7B-Instruct", 2e-5),
-    (35.0, "Qwen/Qwen2.5-3B-Instruct", 5e-5),
-    (20.0, "Qwen/Qwen2.5-1.5B-Instruct", 1e-4),
-    (0.0, "Qwen/Qwen2.5-0.5B-Instruct", 1e-4),
+_GPU_MODELS: tuple[tuple[float, str], ...] = (
+    # (at least this many GiB, base model)
+    (70.0, "Qwen/Qwen2.5-7B-Instruct"),
+    (35.0, "Qwen/Qwen2.5-3B-Instruct"),
+    (20.0, "Qwen/Qwen2.5-1.5B-Instruct"),
+    (0.0, "Qwen/Qwen2.5-0.5B-Instruct"),
 )
+
+# LoRA learning rate by model size: smaller models take larger steps. (fewer parameters than, rate, why)
+_RATES: tuple[tuple[float, float, str], ...] = (
+    (0.3e9, 2e-4, "SmolLM2-135M learned tic-tac-toe on an H200 at 2e-4 (reward -0.73 -> 0.13 in 14 steps) "
+                  "and did not move at 2e-5"),
+    (2e9, 1e-4, "the usual LoRA rate for 0.5-1.5B models (not measured by art_nb)"),
+    (5e9, 5e-5, "the usual LoRA rate for 3B models (not measured by art_nb)"),
+    (math.inf, 2e-5, "the usual LoRA rate for 7B and larger models (not measured by art_nb)"),
+)
+# A CPU run is 8 short steps (24 games each): the smallest models take a larger rate there.
+_CPU_SMALL_RATE = (5e-4, "with 24 games a step, LoRA on a 135M model learns legal moves in 4-6 steps "
+                         "(the CPU demo: 2e-4 for 3 steps did not move, 5e-4 for 8 did)")
+_SIZE_IN_NAME = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([mb])(?![a-z])", re.IGNORECASE)
+
+
+def parameter_count(base_model: str) -> int | None:
+    """Parameters of `base_model`: read from a local directory's safetensors headers, else from the
+    size in its name ("SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B"); None when neither says."""
+    path = os.path.expanduser(base_model)
+    if os.path.isdir(path):
+        return count_parameters(path) or None
+    found = _SIZE_IN_NAME.search(base_model.rsplit("/", 1)[-1].replace("_", "-"))
+    if found is None:
+        return None
+    return int(float(found.group(1)) * (1e6 if found.group(2).lower() == "m" else 1e9))
+
+
+def learning_rate_for_size(parameters: int | None, on_gpu: bool, unknown: float) -> tuple[float, str]:
+    """(learning rate, why) for a model of `parameters`; `unknown` (with a reason saying so) when the
+    size is not known."""
+    if parameters is None:
+        return unknown, (f"{unknown:g}: this hardware's default; the model's size is not in its name, "
+                         "so set LEARNING_RATE for it if it does not learn")
+    size = f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
+    floor, rate, why = next(band for band in _RATES if parameters < band[0])
+    if not on_gpu and floor == _RATES[0][0]:
+        rate, why = _CPU_SMALL_RATE
+    return rate, f"{rate:g} for a {size} model: {why}"
 
 # Per task: (groups per step, rollouts per group, max_seq_len) on CPU and on a GPU; GPU steps.
 _TASK_SHAPES: Mapping[str, dict[str, tuple[int, int, int]]] = {
@@ -206,21 +276,22 @@ def pick_defaults(hardware: Hardware | None = None, task: str = "tic_tac_toe") -
 def _cpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     groups, rollouts, seq = _TASK_SHAPES[task]["cpu"]
     steps = 8
+    rate, rate_why = learning_rate_for_size(parameter_count(TINY_MODEL), False, _CPU_SMALL_RATE[0])
     return NotebookDefaults(
         hardware=hw, task=task, base_model=TINY_MODEL, dtype="float32", engine="hf", trainer="peft",
         load_in_4bit=False, lora_rank=16, max_seq_len=seq, steps=steps, groups_per_step=groups,
-        rollouts_per_group=rollouts, learning_rate=5e-4, eval_games=32, max_turns=10 if task == "2048" else None,
+        rollouts_per_group=rollouts, learning_rate=rate, eval_games=32, max_turns=10 if task == "2048" else None,
         reasons={
             "max_turns": "10 moves per game: long conversations are the slow part on a CPU",
             "base_model": "no GPU: the 135M model runs on a CPU and has an offline copy (no download needed)",
             "dtype": "float32: CPUs have slow or emulated 16-bit matmuls",
             "engine": "transformers: vLLM needs a CUDA GPU",
             "trainer": "peft: Unsloth needs a CUDA GPU",
-            "steps": f"a few steps: each takes about a minute on {hw.cpu_count} CPU cores",
+            "steps": (f"a few steps: a tic-tac-toe step took 130-254 s on 2 CPU cores (the CPU demo); "
+                      f"{hw.cpu_count} here"),
             "groups_per_step": f"{groups} groups x {rollouts} rollouts keep a CPU step short",
             "rollouts_per_group": "enough rollouts that rewards within a group differ",
-            "learning_rate": ("5e-4: with 24 games a step, LoRA on the 135M model learns legal moves in 4-6 steps "
-                              "(the CPU demo: 2e-4 for 3 steps did not move, 5e-4 for 8 did)"),
+            "learning_rate": rate_why,
             "max_seq_len": f"{seq} tokens hold the longest {task.replace('_', '-')} conversation used here",
             "eval_games": "fixed games scored greedily, the same for the base model and the trained one",
         },
@@ -235,17 +306,18 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     dtype, dtype_why = compute_dtype("auto", "cuda", hw.gpu_capability)
     if hw.gpu_capability < (8, 0):
         # The transformers engine generates far slower than vLLM: a 0.5B model keeps a step near a minute.
-        base_model, lr = "Qwen/Qwen2.5-0.5B-Instruct", 1e-4
+        base_model = "Qwen/Qwen2.5-0.5B-Instruct"
         model_why = (f"{hw.gpu_name} ({hw.sm}) serves with the transformers engine, slower than vLLM: "
                      "a 0.5B model keeps steps short")
     else:
         memory = hw.gpu_memory_gib
-        base_model, lr = next((m, r) for floor, m, r in _GPU_MODELS if memory >= floor)
+        base_model = next(m for floor, m in _GPU_MODELS if memory >= floor)
         model_why = f"{memory:.0f} GiB on {hw.gpu_name}: room to serve and LoRA-train {base_model.split('/')[-1]}"
     trainer = "unsloth" if hw.unsloth_installed else "peft"
     trainer_why = ("Unsloth: installed with the gpu extra; faster LoRA training and less memory"
                    if hw.unsloth_installed else "peft: Unsloth is not installed (pip install 'art-nb[gpu]')")
     steps = 20
+    lr, rate_why = learning_rate_for_size(parameter_count(base_model), True, _RATES[-1][1])
     return NotebookDefaults(
         hardware=hw, task=task, base_model=base_model, dtype=dtype,
         engine=engine, trainer=trainer, load_in_4bit=False, lora_rank=16, max_seq_len=seq, steps=steps,
@@ -260,7 +332,7 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
             "steps": f"{steps} steps: enough for the reward curve to climb on a GPU",
             "groups_per_step": f"{groups} groups x {rollouts} rollouts: a GPU serves them in one batch",
             "rollouts_per_group": "enough rollouts that rewards within a group differ",
-            "learning_rate": f"{lr:g}: a LoRA rate for a model of this size",
+            "learning_rate": rate_why,
             "max_seq_len": f"{seq} tokens hold the longest {task.replace('_', '-')} conversation used here",
             "eval_games": "fixed games scored greedily, the same for the base model and the trained one",
         },
