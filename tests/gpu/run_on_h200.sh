@@ -1,7 +1,8 @@
 #!/bin/bash
 # What the lead runs on the H200 (device tool) for tests/gpu, after the parts are stashed there
-# (../shared/gpu/README.md). Runs a committed snapshot (`git archive HEAD > gpu_snapshot.tar`, git-ignored, named in carry
-# with the working tree) so the code tested is exactly one commit; logs and JSON go to $OUT.
+# (../shared/gpu/README.md). Runs a committed snapshot (`git archive HEAD > gpu_snapshot.tar` and
+# `git rev-parse HEAD > gpu_snapshot.commit`, both git-ignored, named in the device call's carry) so the
+# code tested is exactly one commit; logs and JSON go to $OUT.
 #   bash tests/gpu/run_on_h200.sh [pytest args...]
 set -uo pipefail
 ROOT=$(pwd)
