@@ -109,6 +109,42 @@ async def test_unknown_model_is_404(trained):
         await model.openai_client().chat.completions.create(model="m1@99", messages=PROMPT, max_tokens=2)
 
 
+async def test_art_loop_unchanged(trained):
+    """ART's current loop on the real model: register fills the inference fields, a baseline plays the
+    base model by its hub name and is logged, backend.train takes ART's arguments (a real KL penalty to
+    the base model among them), model.log after it records nothing twice, and names carry the step."""
+    from openai import AsyncOpenAI
+
+    backend, _, path = trained
+    model = make_model("m2")
+    await model.register(backend)
+    assert (model.inference_base_url, model.inference_model_name) == (backend.inference_endpoint(model).base_url, "m2@0")
+    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+    assert TINY in [m.id async for m in client.models.list()]
+
+    baseline = art.Model(name="base", project="it", inference_model_name=TINY,
+                         inference_base_url=model.inference_base_url, inference_api_key=model.inference_api_key)
+    await baseline.register(backend)
+    played = await client.chat.completions.create(model=baseline.get_inference_name(), messages=PROMPT, max_tokens=4)
+    assert played.model == TINY
+    await baseline.log([art.Trajectory(messages_and_choices=[*PROMPT, played.choices[0]], reward=1.0)])
+    assert json.loads((path / "it/models/base/history.jsonl").read_text().splitlines()[-1])["val/reward"] == 1.0
+
+    history = path / "it/models/m2/history.jsonl"
+    for expected in (1, 2):
+        groups = await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(rollout(model, 10 * g + i) for i in range(4)) for g in range(2)], pbar_desc=None)
+        result = await backend.train(model, groups, learning_rate=5e-3, loss_fn="ppo", kl_penalty_coef=0.05)
+        lines = len(history.read_text().splitlines())
+        await model.log(groups, metrics=result.metrics, step=result.step, split="train")
+        assert len(history.read_text().splitlines()) == lines  # recorded by train already: not again
+        assert result.step == expected and model.get_inference_name() == f"m2@{expected}"
+        assert result.checkpoint_path.endswith(f"checkpoints/{expected:04d}")
+    # Step 2 trained away from the base model (step 1 moved the LoRA off the identity): a KL to it.
+    assert result.metrics["reference_kl"] > 0
+    assert await model.delete_checkpoints() == [0, 1]  # no val/reward yet: only the served step stays
+
+
 RESUME = textwrap.dedent('''
     import asyncio, sys, torch
     import art_nb as art

@@ -187,3 +187,19 @@ def test_rewards_mcp_langgraph_import_and_name_what_is_missing():
     assert len(mcp.GeneratedScenarioCollection.from_json('{"scenarios": [{"task": "t", "difficulty": 2}]}')) == 1
     with pytest.raises(ValueError, match="difficulty"):
         mcp.GeneratedScenario(task="t", difficulty=9)
+
+
+def test_local_backend_takes_arts_arguments_and_closes_as_a_context_manager(tmp_path, recwarn):
+    with art.LocalBackend(in_process=False, path=str(tmp_path), gpu_cost_per_hour_usd=3.0) as backend:
+        loop = backend.loop
+        assert art.LocalBackend(path=tmp_path).loop is loop  # one runtime per path while open
+    assert art.LocalBackend(path=tmp_path).loop is not loop  # closed on exit: the next one starts fresh
+    assert any("gpu_cost_per_hour_usd" in str(w.message) for w in recwarn)
+
+    async def use() -> None:
+        async with art.LocalBackend(path=tmp_path / "b") as inner:
+            assert inner.path == (tmp_path / "b").resolve()
+
+    import asyncio
+
+    asyncio.run(use())
