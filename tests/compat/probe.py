@@ -309,6 +309,18 @@ def _() -> None:
     raise AssertionError("expected the rollout's ValueError")
 
 
+@check("a tool result whose id answers no call fails that rollout only")
+def _() -> None:
+    async def bad() -> Any:
+        t = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}])
+        t.messages_and_choices.append({"role": "tool", "tool_call_id": "call_9", "content": "r"})
+        return t
+
+    groups = run(art.gather_trajectory_groups([art.TrajectoryGroup([rollout(), bad()])], pbar_desc=None,
+                                              max_exceptions=1))
+    assert len(groups[0]) == 1 and "call_9" in groups[0].exceptions[0]
+
+
 @check("await art.gather_trajectories(...) returns failures in place")
 def _() -> None:
     result = run(art.gather_trajectories([rollout(), broken()], pbar_desc=None, max_exceptions=1))

@@ -35,6 +35,19 @@ async def test_tic_tac_toe_notebook(example):
     assert sum("train/reward" in line for line in train_lines) == 2
     assert all(line["train/exceptions"] == 0 for line in train_lines if "train/exceptions" in line)
 
+    # ART's benchmark pattern (examples/tic_tac_toe/train.py, GENERATE_BENCHMARKS): a comparison model
+    # behind an endpoint, registered for logging, plays through the same rollout. Here the baseline is
+    # the base model, which the endpoint serves under its hub name.
+    baseline = art.Model(name="base-model", project="tic-tac-toe", inference_model_name=TINY,
+                         inference_base_url=model.inference_base_url, inference_api_key=model.inference_api_key)
+    await baseline.register(script.backend)
+    trajectories = await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(script.rollout(baseline, script.TicTacToeScenario(step=0)) for _ in range(2))
+         for _ in range(1)), pbar_desc="gather base-model", max_exceptions=1)
+    await baseline.log(trajectories, split="val")
+    logged = history(Path(".art/tic-tac-toe/models/base-model"))
+    assert logged[-1]["val/trajectories"] == 2 and logged[-1]["val/exceptions"] == 0
+
 
 async def test_2048_notebook(example):
     script = example("twenty48_notebook", "twenty48")
