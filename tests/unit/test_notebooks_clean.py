@@ -5,7 +5,9 @@ does the right thing on Colab with and without a GPU (run here against fakes of 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.metadata
+import io
 import importlib.util
 import json
 import shutil
@@ -16,6 +18,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+from art_nb.notebook import install as install_step  # imported before metadata is faked, as the cell's own process does
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 EXPECTED = {"tic_tac_toe.ipynb", "2048.ipynb", "custom_rollout.ipynb"}
@@ -92,49 +96,98 @@ def install_source() -> str:
     return sources.pop()
 
 
-class FakeMachine:
-    """pip, nvidia-smi and package metadata as seen by the install cell."""
+# What art_nb's metadata declares (as importlib.metadata.requires gives it), fixed so the tests do not
+# depend on when .venv was installed.
+DECLARED = [
+    "pydantic>=2.6", "tqdm>=4.66",
+    'torch>=2.4; extra == "cpu"', 'transformers>=4.56; extra == "cpu"', 'peft>=0.17; extra == "cpu"',
+    'art-nb[cpu]; extra == "gpu"', 'vllm<0.34,>=0.11; extra == "gpu"', 'unsloth>=2025.10; extra == "gpu"',
+    'trl>=0.20; extra == "gpu"', 'ipywidgets<9,>=7.7; extra == "notebook"', 'matplotlib>=3.7; extra == "notebook"',
+    'pytest>=8; extra == "dev"',
+]
+MODULES = {"numpy": ["numpy"], "torch": ["torch"], "transformers": ["transformers"], "PIL": ["pillow"],
+           "ipywidgets": ["ipywidgets"], "pydantic": ["pydantic"]}
 
-    def __init__(self, gpu: bool, installed: dict[str, str], after_pip: dict[str, str] | None = None,
-                 constraints_fail: bool = False) -> None:
+
+class FakeDistribution:
+    def __init__(self, name: str, version: str) -> None:
+        self.metadata, self.version = {"Name": name}, version
+
+
+class FakeMachine:
+    """pip, nvidia-smi and package metadata as seen by the install cell and `art_nb.notebook.install`.
+
+    `gpu` is a compute capability ("7.5") or None; `pip_fails` maps a step ("art_nb", "kept", "stack")
+    to pip's stderr for a failing run of that step; `after_pip` are the versions the stack install leaves."""
+
+    def __init__(self, gpu: str | None, installed: dict[str, str], after_pip: dict[str, str] | None = None,
+                 pip_fails: dict[str, str] | None = None) -> None:
         self.gpu, self.installed, self.after_pip = gpu, dict(installed), after_pip or {}
-        self.constraints_fail = constraints_fail
+        self.pip_fails = pip_fails or {}
         self.pip_calls: list[list[str]] = []
-        self.constraints: str | None = None
+        self.constraints: list[str] = []  # the constraints of each stack install, in order
 
     def which(self, name: str) -> str | None:
         return "/usr/bin/nvidia-smi" if name == "nvidia-smi" and self.gpu else None
 
     def run(self, cmd, *args, **kwargs):
         if cmd[0] == "nvidia-smi":
-            return subprocess.CompletedProcess(cmd, 0 if self.gpu else 9, b"GPU 0: Tesla T4", b"")
+            assert any("compute_cap" in part for part in cmd), cmd
+            name = "Tesla T4" if self.gpu == "7.5" else "NVIDIA A100-SXM4-40GB"
+            return subprocess.CompletedProcess(cmd, 0, f"{name}, {self.gpu}, 15360\n", "")
         assert cmd[1:4] == ["-m", "pip", "install"], cmd
         self.pip_calls.append(list(cmd))
-        if "-c" in cmd:
-            self.constraints = Path(cmd[cmd.index("-c") + 1]).read_text()
-            if self.constraints_fail:
-                return subprocess.CompletedProcess(cmd, 1)
-        self.installed.update(self.after_pip)
-        return subprocess.CompletedProcess(cmd, 0)
+        if "-c" not in cmd:
+            step = "art_nb"
+        else:
+            self.constraints.append(Path(cmd[cmd.index("-c") + 1]).read_text())
+            step = "kept" if len(self.constraints) == 1 else "stack"
+        if step in self.pip_fails:
+            if kwargs.get("capture_output"):
+                return subprocess.CompletedProcess(cmd, 1, "", self.pip_fails[step])
+            print(self.pip_fails[step])  # pip's own error, shown as it happens
+            return subprocess.CompletedProcess(cmd, 1)
+        self.installed.update({"art-nb": "0.1.0"} if step == "art_nb" else self.after_pip)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def popen(self, cmd, *args, **kwargs):
+        """The cell's `python -m art_nb.notebook.install STATE`, run here with the fakes in place."""
+        assert cmd[1:3] == ["-m", "art_nb.notebook.install"], cmd
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = install_step.main(cmd[3:])
+        return types.SimpleNamespace(stdout=io.StringIO(out.getvalue()), wait=lambda: code)
 
     def version(self, dist: str) -> str:
         if dist not in self.installed:
             raise importlib.metadata.PackageNotFoundError(dist)
         return self.installed[dist]
 
+    def distributions(self):
+        return [FakeDistribution(name, version) for name, version in self.installed.items()]
+
 
 @pytest.fixture
 def run_install(monkeypatch, tmp_path, capsys):
     real_find_spec = importlib.util.find_spec
 
-    def run(machine: FakeMachine, art_nb_installed: bool = False, imported: tuple[str, ...] = ()) -> str:
+    def run(machine: FakeMachine, art_nb_installed: bool = False, imported: tuple[str, ...] = (),
+            source: str | None = None) -> str:
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a: (real_find_spec(name, *a) if art_nb_installed or name != "art_nb" else None))
         monkeypatch.setattr(shutil, "which", machine.which)
         monkeypatch.setattr(subprocess, "run", machine.run)
+        monkeypatch.setattr(subprocess, "Popen", machine.popen)
         monkeypatch.setattr(importlib.metadata, "version", machine.version)
+        monkeypatch.setattr(importlib.metadata, "distributions", machine.distributions)
+        monkeypatch.setattr(importlib.metadata, "requires", lambda name: DECLARED if name == "art-nb" else None)
+        monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: MODULES)
         monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: str(tmp_path))
-        for name in ("numpy", "ipywidgets", "torch", "transformers", "pydantic", "tqdm"):
+        if source is None:
+            monkeypatch.delenv("ART_NB_SOURCE", raising=False)
+        else:
+            monkeypatch.setenv("ART_NB_SOURCE", source)
+        for name in ("numpy", "ipywidgets", "torch", "transformers", "PIL", "tqdm"):
             if name in imported:
                 monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
             else:
@@ -145,43 +198,107 @@ def run_install(monkeypatch, tmp_path, capsys):
     return run
 
 
-COLAB = {"numpy": "1.26.4", "ipywidgets": "7.7.1", "torch": "2.6.0+cu124", "transformers": "4.48.0"}
+COLAB = {"numpy": "1.26.4", "ipywidgets": "7.7.1", "pillow": "11.1.0", "torch": "2.6.0+cu124",
+         "transformers": "4.48.0", "pydantic": "2.10.6"}
+NOT_ON_INDEX = ("ERROR: Could not find a version that satisfies the requirement art-nb (from versions: none)\n"
+                "ERROR: No matching distribution found for art-nb")
+
+
+def stack_requirements(call: list[str]) -> set[str]:
+    return {part.split("<")[0].split(">")[0] for part in call[5:call.index("-c")]}
 
 
 def test_install_is_skipped_where_art_nb_is_installed(run_install):
-    machine = FakeMachine(gpu=True, installed=COLAB)
+    machine = FakeMachine(gpu="7.5", installed=COLAB)
     out = run_install(machine, art_nb_installed=True)
     assert out.strip() == "art_nb is already installed: skipping the install."
     assert machine.pip_calls == []
 
 
-def test_gpu_runtime_gets_the_gpu_extra_and_keeps_numpy_and_ipywidgets(run_install):
-    machine = FakeMachine(gpu=True, installed=COLAB)
+def test_t4_gets_the_turing_set_without_vllm_and_keeps_colabs_packages(run_install):
+    machine = FakeMachine(gpu="7.5", installed=COLAB)
     out = run_install(machine)
-    (call,) = machine.pip_calls
-    assert "art-nb[notebook,gpu]" in call
-    assert machine.constraints.splitlines() == ["numpy==1.26.4", "ipywidgets==7.7.1"]  # torch: vLLM pins its own
-    assert out.strip() == "art_nb installed (art-nb[notebook,gpu]); no restart needed."
+    first, stack = machine.pip_calls
+    assert first[4:] == ["-q", "art-nb"]  # art_nb itself, from the package index
+    assert {"unsloth", "trl", "transformers", "peft", "ipywidgets", "matplotlib"} <= stack_requirements(stack)
+    assert "vllm" not in stack_requirements(stack) and "pytest" not in stack_requirements(stack)
+    pinned = machine.constraints[0].splitlines()
+    assert {"unsloth==2026.10.9", "transformers==5.17.0", "numpy==1.26.4", "ipywidgets==7.7.1",
+            "pillow==11.1.0", "torch==2.6.0+cu124"} <= set(pinned)  # Colab's torch stays: no vLLM here
+    assert "turing set (Tesla T4 (sm75)" in out
+    assert out.strip().endswith("art_nb installed with the turing set; no restart needed.")
 
 
-def test_cpu_runtime_skips_the_gpu_extra_and_keeps_torch_too(run_install):
-    machine = FakeMachine(gpu=False, installed=COLAB)
+def test_a100_gets_the_vllm_set_with_its_torch(run_install):
+    machine = FakeMachine(gpu="8.0", installed=COLAB)
+    out = run_install(machine)
+    stack = machine.pip_calls[1]
+    assert {"vllm", "unsloth", "trl", "transformers"} <= stack_requirements(stack)
+    pinned = set(machine.constraints[0].splitlines())
+    assert {"vllm==0.25.0", "torch==2.11.0", "numpy==1.26.4", "ipywidgets==7.7.1", "pillow==11.1.0"} <= pinned
+    assert "torch==2.6.0+cu124" not in pinned  # vLLM 0.25 needs torch 2.11
+    assert "ampere set" in out
+
+
+def test_cpu_runtime_gets_the_cpu_set_and_keeps_its_torch(run_install):
+    machine = FakeMachine(gpu=None, installed=COLAB)
     run_install(machine)
-    (call,) = machine.pip_calls
-    assert "art-nb[notebook,cpu]" in call and "art-nb[notebook,gpu]" not in call
-    assert "torch==2.6.0+cu124" in machine.constraints.splitlines()
+    stack = machine.pip_calls[1]
+    assert {"torch", "transformers", "peft"} <= stack_requirements(stack)
+    assert not {"vllm", "unsloth"} & stack_requirements(stack)
+    pinned = set(machine.constraints[0].splitlines())
+    assert "torch==2.6.0+cu124" in pinned and "torch==2.13.0" not in pinned  # the runtime's torch wins over cpu.txt
+    assert "transformers==5.24.0" in pinned
+
+
+def test_art_nb_source_is_installed_instead_of_the_index(run_install):
+    machine = FakeMachine(gpu=None, installed=COLAB)
+    out = run_install(machine, source="/content/drive/MyDrive/art_nb")
+    assert machine.pip_calls[0][4:] == ["-q", "/content/drive/MyDrive/art_nb"]
+    assert "installing art_nb from ART_NB_SOURCE" in out
+
+
+def test_not_on_the_index_and_no_source_stops_with_one_message_naming_art_nb_source(run_install):
+    machine = FakeMachine(gpu="7.5", installed=COLAB, pip_fails={"art_nb": NOT_ON_INDEX})
+    with pytest.raises(RuntimeError) as err:
+        run_install(machine)
+    message = str(err.value)
+    assert "ART_NB_SOURCE" in message and "not on the package index" in message
+    assert not {"numpy", "ipywidgets", "CalledProcessError"} & set(message.replace("'", " ").split())
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert len(machine.pip_calls) == 1  # nothing else was tried
+
+
+def test_a_source_pip_cannot_install_shows_pips_reason_without_credentials(run_install):
+    failure = "ERROR: git clone https://user:ghp_secret123@github.com/x/art_nb failed: repository not found"
+    machine = FakeMachine(gpu=None, installed=COLAB, pip_fails={"art_nb": failure})
+    with pytest.raises(RuntimeError) as err:
+        run_install(machine, source="git+https://user:ghp_secret123@github.com/x/art_nb")
+    message = str(err.value)
+    assert message.startswith("pip could not install art_nb from ART_NB_SOURCE") and "repository not found" in message
+    assert "ghp_secret123" not in message
 
 
 def test_one_clear_line_when_an_imported_package_changed(run_install):
-    machine = FakeMachine(gpu=True, installed=COLAB, after_pip={"transformers": "5.0.0", "torch": "2.9.0"})
-    out = run_install(machine, imported=("transformers",))  # torch changed too, but was never imported
-    lines = out.strip().splitlines()
-    assert len(lines) == 1
-    assert lines[0].startswith("RESTART NEEDED: transformers changed after being imported")
+    machine = FakeMachine(gpu="7.5", installed=COLAB, after_pip={"transformers": "5.17.0", "numpy": "2.2.0"})
+    out = run_install(machine, imported=("transformers",))  # numpy changed too, but was never imported
+    restart = [line for line in out.splitlines() if "RESTART" in line]
+    assert len(restart) == 1
+    assert restart[0].startswith("RESTART NEEDED: transformers 4.48.0 -> 5.17.0 changed after this kernel imported it")
+    assert "numpy" not in restart[0]
 
 
-def test_falls_back_to_a_plain_install_when_the_constraints_cannot_hold(run_install):
-    machine = FakeMachine(gpu=True, installed=COLAB, constraints_fail=True)
+def test_lets_pip_change_kept_packages_when_the_set_needs_it(run_install):
+    machine = FakeMachine(gpu="8.0", installed=COLAB, pip_fails={"kept": "ResolutionImpossible: numpy==1.26.4"})
     out = run_install(machine)
-    assert len(machine.pip_calls) == 2 and "-c" not in machine.pip_calls[1]
-    assert "needs other versions of numpy, ipywidgets" in out
+    assert len(machine.pip_calls) == 3
+    assert "numpy==1.26.4" in machine.constraints[0] and "numpy==" not in machine.constraints[1]
+    assert "vllm==0.25.0" in machine.constraints[1]  # the tested set still holds
+    assert "needs other versions of some of numpy 1.26.4, ipywidgets 7.7.1, pillow 11.1.0" in out
+    assert "ResolutionImpossible" not in out  # the first try's error is not shown: it was retried
+
+
+def test_a_stack_pip_cannot_install_stops_the_cell(run_install):
+    machine = FakeMachine(gpu="8.0", installed=COLAB, pip_fails={"kept": "conflict", "stack": "ERROR: no vllm for cp313"})
+    with pytest.raises(RuntimeError, match="the lines above say why"):
+        run_install(machine)
