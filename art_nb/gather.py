@@ -40,7 +40,7 @@ class TooManyExceptionsError(RuntimeError):
     """More rollouts raised than `max_exceptions` allows; the first traceback is attached."""
 
 
-def _budget(max_exceptions: int | float, total: int) -> int:
+def _budget(max_exceptions: float, total: int) -> int:
     if isinstance(max_exceptions, bool) or max_exceptions < 0:
         raise ValueError(f"max_exceptions must be a count >= 0 or a fraction in (0, 1); got {max_exceptions!r}")
     if isinstance(max_exceptions, float) and max_exceptions < 1:
@@ -52,7 +52,7 @@ class _Tally:
     """The progress bar (tqdm.auto) with running metric means, the exception budget, and the
     dashboard's "gather_progress" events."""
 
-    def __init__(self, desc: str | None, total: int, max_exceptions: int | float, max_metrics: int | None) -> None:
+    def __init__(self, desc: str | None, total: int, max_exceptions: float, max_metrics: int | None) -> None:
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc=desc, disable=desc is None, dynamic_ncols=True)
@@ -105,7 +105,7 @@ async def gather_trajectory_groups(
     *,
     pbar_desc: str | None = "gather",
     pbar_total_completion_tokens: bool = False,
-    max_exceptions: int | float = 0,
+    max_exceptions: float = 0,
     max_metrics: int | None = None,
     after_each: AfterEach | None = None,
 ) -> list[TrajectoryGroup]:
@@ -155,7 +155,7 @@ async def gather_trajectories(
     *,
     pbar_desc: str | None = "gather",
     pbar_total_completion_tokens: bool = False,
-    max_exceptions: int | float = 0,
+    max_exceptions: float = 0,
 ) -> list[Any]:
     """Run rollouts concurrently (evaluation); results in the order given, as ART returns them.
 

@@ -6,6 +6,7 @@ and raises NotImplementedError naming that when called, never at import.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,7 @@ class GeneratedScenarioCollection:
     def __len__(self) -> int:
         return len(self.scenarios)
 
-    def __iter__(self):  # noqa: ANN204 - an iterator of GeneratedScenario
+    def __iter__(self) -> Iterator[GeneratedScenario]:
         return iter(self.scenarios)
 
 

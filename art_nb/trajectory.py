@@ -17,16 +17,13 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import copy
-import json
 import math
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from openai.types.chat.chat_completion import Choice
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -37,36 +34,20 @@ from pydantic import (
     model_validator,
 )
 
+from .messages import (
+    Choice,
+    MessageOrChoice,
+    check_messages,
+    check_tool_ids,
+    choice_to_message,
+    template_message,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 __all__ = ["Choice", "History", "MessageOrChoice", "RolloutException", "Trajectory", "TrajectoryGroup", "check_groups",
-           "gathered_groups", "template_message", "trajectory_problem"]
-
-MessageOrChoice = dict[str, Any] | Choice
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-def _check_message(index: int, item: Any) -> MessageOrChoice:
-    if isinstance(item, Choice):
-        return item
-    if isinstance(item, BaseModel):  # e.g. a ChatCompletionMessage the user appended
-        item = item.model_dump(exclude_none=True)
-    if not isinstance(item, dict):
-        raise ValueError(
-            f"messages_and_choices[{index}] is a {type(item).__name__}; expected a message dict "
-            "like {'role': 'user', 'content': '...'} or the Choice returned by chat.completions.create"
-        )
-    role = item.get("role")
-    if role not in _ROLES:
-        raise ValueError(
-            f"messages_and_choices[{index}] has role {role!r}; expected one of {sorted(_ROLES)}"
-        )
-    if role == "tool" and "tool_call_id" not in item:
-        raise ValueError(f"messages_and_choices[{index}] is a tool result without 'tool_call_id'")
-    content = item.get("content")
-    if content is not None and not isinstance(content, (str, list)):
-        raise ValueError(
-            f"messages_and_choices[{index}]['content'] is a {type(content).__name__}; expected str"
-        )
-    return item
+           "choice_to_message", "gathered_groups", "template_message", "trajectory_problem"]
 
 
 class History(BaseModel):
@@ -83,11 +64,11 @@ class History(BaseModel):
     @field_validator("messages_and_choices", mode="before")
     @classmethod
     def _validate_messages(cls, value: Any) -> list[MessageOrChoice]:
-        return _checked_messages(value)
+        return check_messages(value)
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> History:
-        _check_tool_ids(self.messages())
+        check_tool_ids(self.messages())
         return self
 
     def messages(self) -> list[dict[str, Any]]:
@@ -118,7 +99,7 @@ class Trajectory(BaseModel):
     @field_validator("messages_and_choices", mode="before")
     @classmethod
     def _validate_messages(cls, value: Any) -> list[MessageOrChoice]:
-        return _checked_messages(value)
+        return check_messages(value)
 
     @field_validator("reward")
     @classmethod
@@ -129,7 +110,7 @@ class Trajectory(BaseModel):
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> Trajectory:
-        _check_tool_ids(self.messages())
+        check_tool_ids(self.messages())
         return self
 
     def messages(self) -> list[dict[str, Any]]:
@@ -180,48 +161,6 @@ class Trajectory(BaseModel):
         return mine == theirs and self.__pydantic_extra__ == other.__pydantic_extra__
 
 
-def _checked_messages(value: Any) -> list[MessageOrChoice]:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError("messages_and_choices must be a list of message dicts and Choices")
-    return [_check_message(i, item) for i, item in enumerate(value)]
-
-
-def _check_tool_ids(messages: list[dict[str, Any]]) -> None:
-    open_calls: set[str] = set()
-    for message in messages:
-        if message.get("role") == "assistant":
-            for call in message.get("tool_calls") or []:
-                open_calls.add(call["id"])
-        elif message.get("role") == "tool" and message["tool_call_id"] not in open_calls:
-            raise ValueError(
-                f"tool result answers tool_call_id {message['tool_call_id']!r}, "
-                "which no earlier assistant message made"
-            )
-
-
-def choice_to_message(choice: Choice) -> dict[str, Any]:
-    """The assistant message a Choice stands for, as the next request would send it."""
-    return choice.message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"})
-
-
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates expect it, for serving and training alike (one rendering, no drift).
-
-    OpenAI sends tool-call arguments as a JSON string; HF templates (Qwen's `| tojson`, Hermes)
-    expect an object, and would render a string quoted. Content None becomes "" (templates
-    concatenate it).
-    """
-    message = copy.deepcopy(message)
-    if message.get("content") is None:
-        message["content"] = ""
-    for call in message.get("tool_calls") or []:
-        arguments = call.get("function", {}).get("arguments")
-        if isinstance(arguments, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                call["function"]["arguments"] = json.loads(arguments)
-    return message
-
-
 class RolloutException(str):
     """A rollout's failure as a group keeps it: the one-line text ("ValueError: ...") is the string,
     with ART's fields (`type`, `message`, `traceback`) and the exception object itself (`exception`,
@@ -233,7 +172,7 @@ class RolloutException(str):
     exception: BaseException | None
 
     def __new__(cls, text: str, *, type: str = "", message: str = "", traceback: str = "",
-                exception: BaseException | None = None) -> RolloutException:
+                exception: BaseException | None = None) -> Self:
         self = super().__new__(cls, text)
         self.type, self.message, self.traceback, self.exception = type, message or text, traceback, exception
         return self

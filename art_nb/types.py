@@ -22,9 +22,9 @@ __all__ = [
     "MessagesAndChoices",
     "ModelRef",
     "ProgressCallback",
+    "Tools",
     "TrainResult",
     "TrainableModelRef",
-    "Tools",
     "check_name",
     "inference_name",
 ]

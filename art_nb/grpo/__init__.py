@@ -10,14 +10,14 @@ from .step import grpo_step
 from .tokens import TokenizedTrajectory, tokenize_trajectory
 
 __all__ = [
-    "TokenizedTrajectory",
-    "tokenize_trajectory",
-    "group_advantages",
     "PreparedBatch",
-    "prepare_batch",
-    "masked_mean",
-    "token_logprobs",
-    "ppo_clip_loss",
+    "TokenizedTrajectory",
     "cispo_loss",
+    "group_advantages",
     "grpo_step",
+    "masked_mean",
+    "ppo_clip_loss",
+    "prepare_batch",
+    "token_logprobs",
+    "tokenize_trajectory",
 ]

@@ -14,7 +14,6 @@ be re-tokenised because the endpoint sent no token ids.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,7 @@ from ..records import mean_and_std
 from ..trajectory import TrajectoryGroup
 from .tokens import TokenizedTrajectory, tokenize_trajectory
 
-__all__ = ["group_advantages", "PreparedBatch", "prepare_batch"]
+__all__ = ["PreparedBatch", "group_advantages", "prepare_batch"]
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:

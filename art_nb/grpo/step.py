@@ -29,7 +29,13 @@ import torch
 from ..config import TrainConfig
 from ..types import ProgressCallback
 from .advantages import PreparedBatch
-from .loss import cispo_loss, kl_to_reference, masked_mean, ppo_clip_loss, token_logprobs
+from .loss import (
+    cispo_loss,
+    kl_to_reference,
+    masked_mean,
+    ppo_clip_loss,
+    token_logprobs,
+)
 from .tokens import TokenizedTrajectory
 
 __all__ = ["grpo_step", "microbatches"]

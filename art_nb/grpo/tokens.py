@@ -28,7 +28,7 @@ from typing import Any
 
 from ..trajectory import Choice, History, Trajectory, template_message
 
-__all__ = ["TokenizedTrajectory", "tokenize_trajectory", "sampled_token_ids"]
+__all__ = ["TokenizedTrajectory", "sampled_token_ids", "tokenize_trajectory"]
 
 _PROBE = "\u2063art_nb_probe\u2063"  # content no template alters, to locate the end-of-turn text
 

@@ -10,9 +10,9 @@ import pytest
 s3fs = pytest.importorskip("s3fs", reason="the s3 extra (pip install art-nb[s3]) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (in the dev extra) is not installed")
 
-import art_nb as art  # noqa: E402
-from art_nb import s3  # noqa: E402
-from art_nb.store import ModelStore  # noqa: E402
+import art_nb as art
+from art_nb import s3
+from art_nb.store import ModelStore
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from .state import ModelState, TrainingStoppedError
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
+    from typing_extensions import Self
 
 __all__ = ["LocalBackend", "TrainingStoppedError"]
 
@@ -66,14 +67,14 @@ class LocalBackend:
     def __repr__(self) -> str:
         return f"LocalBackend(path={str(self.path)!r})"
 
-    def __enter__(self) -> LocalBackend:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         """Close from synchronous code (ART's `with LocalBackend() as backend:`)."""
         self.loop.run_sync(self._close())
 
-    async def __aenter__(self) -> LocalBackend:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
