@@ -7,6 +7,10 @@ cache is copied per row), left-padded to the running batch's cache length and jo
 rollout's next turn starts decoding within a step instead of waiting for the batch to drain. Rows
 that finish leave the batch at once and their request is answered as soon as its last row is done.
 
+A prompt that starts like a sequence computed before under the same adapter (the conversation's
+previous turn, another game of the group) is prefilled from a copy of that sequence's KV: only the
+new tokens run (`hf_prefix`). `stats` counts the prefilled and reused tokens.
+
 All model work (forwards, adapter loads and deletes, device moves) runs on one worker thread, so it
 is serialized without locks and the event loop stays free for the server and the rollouts. A call
 into that thread that does not return within `stall_timeout` seconds (a hung device, a deadlock)
@@ -50,11 +54,11 @@ from .hf_batch import (
     Row,
     check_full_attention,
     finish_reason,
-    left_padded,
     prefill_chunks,
     sample_tokens,
     settle,
 )
+from .hf_prefix import Entry, PrefixCache, chunk_inputs, default_budget
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -73,7 +77,8 @@ class HFEngine:
     # declared dead. Generous: a long prefill of a larger model on CPU stays well inside it.
     stall_timeout: float = 300.0
 
-    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, device: torch.device, threads: int) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: ModelConfig, device: torch.device, threads: int,
+                 prefix_cache_bytes: int | None = None) -> None:
         self._model = model
         self.tokenizer = tokenizer
         self._device = device
@@ -85,6 +90,8 @@ class HFEngine:
         self._shared_generator = torch.Generator(device=device).manual_seed(config.seed)
         self._cache_kwarg = hf_model.cache_keyword(model)
         self.stats = EngineStats()
+        # Bytes of KV kept for reuse across turns; 0 turns it off, None takes a share of the device's memory.
+        self.prefix_cache = PrefixCache(default_budget(device) if prefix_cache_bytes is None else prefix_cache_bytes)
 
         self._executor = ThreadPoolExecutor(1, "art_nb-hf", initializer=torch.set_num_threads, initargs=(threads,))
         self._pending: deque[Row] = deque()
@@ -99,11 +106,12 @@ class HFEngine:
 
     @classmethod
     async def create(cls, model_path: str | Path, config: ModelConfig, plan: Plan | None = None,
-                     device: str | torch.device | None = None) -> HFEngine:
+                     device: str | torch.device | None = None, prefix_cache_bytes: int | None = None) -> HFEngine:
         """Load the model and tokenizer off the event loop and start the scheduler.
 
         `plan` (`plan_for(config)` when None) gives the device, the dtype the trainer shares and the
         CPU thread count; `device` overrides the plan's device (tests), not its dtype.
+        `prefix_cache_bytes`: the prefix cache's budget (0: off; None: `hf_prefix.default_budget`).
         """
         from ..plan import plan_for
 
@@ -115,7 +123,7 @@ class HFEngine:
             torch.set_num_threads(threads)
         logger.debug("HF engine: %s on %s, %d torch thread(s)", plan.dtype, dev, threads)
         model, tokenizer = await asyncio.to_thread(hf_model.load, Path(model_path), plan.torch_dtype(), dev)
-        return cls(model, tokenizer, config, dev, threads)
+        return cls(model, tokenizer, config, dev, threads, prefix_cache_bytes)
 
     # ---- the Engine protocol -------------------------------------------------------------------
 
@@ -336,8 +344,9 @@ class HFEngine:
         if admit:
             if not batch.rows:
                 batch.adapter = admit[0].job.adapter
-            for chunk in prefill_chunks(admit):
-                self._prefill(chunk)
+            matches = {p: self.prefix_cache.match(batch.adapter, p) for p in dict.fromkeys(r.prompt for r in admit)}
+            for chunk in prefill_chunks(admit, lambda p: len(p) - matches[p][1]):
+                self._prefill(chunk, matches)
         if not batch.rows:
             return []
         done = [r for r in batch.rows if r.finish is not None]
@@ -347,23 +356,39 @@ class HFEngine:
             self._step()
         finished = [r for r in batch.rows if r.finish is not None]
         if finished:
+            self._remember(finished)
             batch.keep([r for r in batch.rows if r.finish is None])
         return done + finished
 
-    def _prefill(self, rows: list[Row]) -> None:
-        """Run the distinct prompts of `rows`, copy each prompt's cache per row, sample, join the batch."""
+    def _prefill(self, rows: list[Row], matches: dict[tuple[int, ...], tuple[Entry | None, int]]) -> None:
+        """Run the distinct prompts of `rows` from their cached prefixes, copy each prompt's cache per
+        row, sample, join the batch. A prompt that reused nothing is remembered for later ones."""
         prompts = list(dict.fromkeys(r.prompt for r in rows))
-        ids, mask = left_padded(prompts, self._pad_id)
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        cache = DynamicCache()
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+        inputs = chunk_inputs(prompts, [matches[p] for p in prompts], self._pad_id, self._device)
+        mask, cache = inputs.mask, inputs.cache
+        logits = self._forward(inputs.ids, mask, inputs.positions, cache)
         check_full_attention(cache)
+        for i, prompt in enumerate(prompts):
+            if matches[prompt][1] == 0:
+                self.prefix_cache.store(self._batch.adapter, prompt, cache, i)
+        self.stats.prefills += len(prompts)
+        self.stats.prefix_hits += sum(1 for r in inputs.reused if r)
+        self.stats.reused_tokens += sum(inputs.reused)
+        self.stats.prefilled_tokens += sum(len(p) for p in prompts) - sum(inputs.reused)
 
         which = torch.tensor([prompts.index(r.prompt) for r in rows], device=self._device)
         cache.batch_select_indices(which)
         mask, logits = mask[which], logits[which]
         tokens = self._sample_and_record(logits, rows)
         self._batch.join(rows, cache, mask, tokens, positions=mask.sum(-1))
+
+    def _remember(self, rows: list[Row]) -> None:
+        """Keep the KV of finished rows (prompt and reply, less the last token, never fed) for their next turn."""
+        batch = self._batch
+        index = {id(r): i for i, r in enumerate(batch.rows)}
+        for row in rows:
+            if not row.job.abandoned and len(row.tokens) > 1:
+                self.prefix_cache.store(batch.adapter, row.prompt + tuple(row.tokens[:-1]), batch.cache, index[id(row)])
 
     def _step(self) -> None:
         batch = self._batch
@@ -390,7 +415,9 @@ class HFEngine:
         self._model = hf_model.with_adapter(self._model, internal, path, self._device)
 
     def _delete_adapters(self, internals: list[str]) -> None:
+        self.prefix_cache.drop_adapters(internals)
         self._model = hf_model.without_adapters(self._model, internals)
 
     def _move(self, device: torch.device) -> None:
+        self.prefix_cache.clear()  # training needs the memory; entries would be on the wrong device anyway
         hf_model.move(self._model, device)

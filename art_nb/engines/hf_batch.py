@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,10 @@ class EngineStats:
     steps: int = 0  # forwards that advanced every live row by one token
     max_batch_size: int = 0  # most rows advanced by a single forward
     tokens: int = 0  # tokens sampled
+    prefills: int = 0  # distinct prompts prefilled
+    prefix_hits: int = 0  # of those, started from a prefix in the prefix cache
+    prefilled_tokens: int = 0  # prompt tokens the prefill forwards computed (padding not counted)
+    reused_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -227,19 +232,24 @@ def finish_reason(row: Row, token: int, eos_ids: frozenset[int], tokenizer: Any)
     return None
 
 
-def prefill_chunks(rows: list[Row]) -> list[list[Row]]:
-    """Split rows so each prefill forward holds at most `PREFILL_TOKENS` padded prompt tokens."""
+def prefill_chunks(rows: list[Row], need: Callable[[tuple[int, ...]], int] = len) -> list[list[Row]]:
+    """Group rows into prefill forwards. Identical prompts share a chunk (computed once); prompts go in
+    order of the tokens they `need` computed, and a new chunk starts when a forward would hold more than
+    `PREFILL_TOKENS` padded tokens, or more padding than work (padding is computed too)."""
+    by_prompt: dict[tuple[int, ...], list[Row]] = {}
+    for row in rows:
+        by_prompt.setdefault(row.prompt, []).append(row)
     chunks: list[list[Row]] = []
     current: list[Row] = []
-    prompts: set[tuple[int, ...]] = set()
-    for row in rows:
-        width = max([len(row.prompt), *(len(p) for p in prompts)])
-        distinct = len(prompts | {row.prompt})
-        if current and distinct * width > PREFILL_TOKENS:
+    distinct = work = 0
+    for prompt in sorted(by_prompt, key=need):
+        width = need(prompt)  # the widest so far: prompts come in increasing need
+        padded = (distinct + 1) * width
+        if current and (padded > PREFILL_TOKENS or padded > 2 * (work + width)):
             chunks.append(current)
-            current, prompts = [], set()
-        current.append(row)
-        prompts.add(row.prompt)
+            current, distinct, work = [], 0, 0
+        current.extend(by_prompt[prompt])
+        distinct, work = distinct + 1, work + width
     if current:
         chunks.append(current)
     return chunks
