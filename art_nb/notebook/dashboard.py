@@ -289,8 +289,7 @@ class Dashboard:
             if isinstance(error, (KeyboardInterrupt, asyncio.CancelledError)):
                 self.state.add_error("interrupted: the last complete checkpoint is kept; re-run the cell to resume")
             else:
-                lines = traceback.format_exception(kind, error, tb)
-                self.state.add_error("".join(lines[-3:]).strip())
+                self.state.add_error(_error_text(error, tb))
         self._apply("final")
         return False  # never swallow the exception: the cell still fails visibly
 
@@ -324,6 +323,15 @@ def _model_dir(model: Model | None, backend: Backend | None) -> Path | None:
         return (backend or model.backend).model_dir(model)
     except RuntimeError:  # not registered (with that backend) yet
         return None
+
+
+def _error_text(error: BaseException, tb: TracebackType | None) -> str:
+    """The error itself first (the text fallback keeps a message's first line), then where it was raised."""
+    text = f"{type(error).__name__}: {error}".strip()
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    if frames:
+        text += f"\n(raised in {Path(frames[-1].filename).name}, line {frames[-1].lineno}, in {frames[-1].name})"
+    return text
 
 
 def _default_metric(names: list[str]) -> str:

@@ -58,6 +58,10 @@ def draw_reward(axis: Any, train: dict[str, list[float]], val: dict[str, list[fl
         axis.plot(train["step"], train["mean"], marker="o", color="tab:blue", label="train mean")
     if val and val["step"]:
         axis.plot(val["step"], val["mean"], marker="s", color="tab:orange", label="eval mean")
+        if 0.0 in val["step"]:  # step 0's weights are the base model's: the point training is measured from
+            base = val["mean"][val["step"].index(0.0)]
+            axis.annotate("base model", (0.0, base), textcoords="offset points", xytext=(6, -12),
+                          fontsize="small", color="tab:orange")
     axis.set_ylabel("reward")
     axis.set_title(title)
     axis.grid(alpha=0.3)

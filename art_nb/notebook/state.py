@@ -242,7 +242,8 @@ class RunState:
                 f"{_fmt(t.get('time/train'), 7, 's')} {_fmt(t.get('time/save'), 6, 's')}"
             )
         for step, metrics in sorted(self.evals.items()):
-            lines.append(f"eval at step {step}: reward {_fmt(metrics.get('reward'), 0)}")
+            base = " (the base model)" if step == 0 else ""
+            lines.append(f"eval at step {step}{base}: reward {_fmt(metrics.get('reward'), 0)}")
         if self.latest_checkpoint:
             lines.append(f"latest checkpoint: {self.latest_checkpoint}")
         lines += [f"error: {e.splitlines()[0] if e else e}" for e in self.errors[-3:]]

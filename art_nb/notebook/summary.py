@@ -61,7 +61,8 @@ class TrainingSummary:
             lines.append(f"| {row['step']} | {_f(row['reward'])} | {_f(row['reward_min'])} | {_f(row['reward_max'])} "
                          f"| {zero} | {row.get('exceptions', 0)} | {_f(sum(row['seconds'].values()) or None, 1)} |")
         for step, metrics in sorted(self.evals.items()):
-            lines.append(f"\nEvaluation at step {step}: reward {_f(metrics.get('reward'))}")
+            base = " (the base model)" if step == 0 else ""
+            lines.append(f"\nEvaluation at step {step}{base}: reward {_f(metrics.get('reward'))}")
         if self.checkpoint:
             lines.append(f"\nLatest checkpoint: `{self.checkpoint}`")
         return "\n".join(lines)

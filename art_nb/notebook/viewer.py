@@ -72,11 +72,22 @@ def _headline(record: dict[str, Any]) -> str:
     return f"reward {reward_text}" + (f" · {shown}" if shown else "") + f" · group {record.get('group', '?')}"
 
 
+def _role_label(record: dict[str, Any], index: int, role: str) -> str:
+    """The role, and for an assistant turn the model did not generate (a worked example written into
+    the prompt, kept as a dict rather than a Choice) a note saying so. `record["sampled"]`, where a
+    record has it, says per message whether it was a Choice the endpoint returned."""
+    sampled = record.get("sampled")
+    if role == "assistant" and isinstance(sampled, list) and index < len(sampled) and not sampled[index]:
+        return "assistant · example written into the prompt, not played by the model"
+    return role
+
+
 def conversation_text(record: dict[str, Any]) -> str:
     """The conversation as plain text (for logs and the static fallback)."""
     lines = [_headline(record)]
-    for message in record.get("messages") or []:
-        lines.append(f"[{message.get('role', '?')}] {_content_text(message.get('content'))}")
+    for index, message in enumerate(record.get("messages") or []):
+        role = _role_label(record, index, str(message.get("role", "?")))
+        lines.append(f"[{role}] {_content_text(message.get('content'))}")
         lines += [f"    {call}" for call in _tool_calls_text(message)]
     return "\n".join(lines)
 
@@ -88,16 +99,19 @@ def conversation_html(record: dict[str, Any]) -> str:
     """
     parts = [(f'<div class="art-nb-trajectory"><div style="font-weight:600;margin:4px 0">'
               f"{html.escape(_headline(record))}</div>")]
-    for message in record.get("messages") or []:
+    for index, message in enumerate(record.get("messages") or []):
         role = str(message.get("role", "?"))
         color = _ROLE_COLORS.get(role, "#374151")
+        label = _role_label(record, index, role)
+        if label != role:
+            color = _ROLE_COLORS["system"]  # context, not the model's play
         body = html.escape(_content_text(message.get("content")))
         calls = "".join(f"<div><code>{html.escape(c)}</code></div>" for c in _tool_calls_text(message))
         extra = f" <span style='opacity:.7'>({html.escape(str(message['tool_call_id']))})</span>" \
             if message.get("tool_call_id") else ""
         parts.append(
             f'<div style="border-left:3px solid {color};padding:2px 8px;margin:4px 0">'
-            f'<div style="color:{color};font-size:85%;font-weight:600">{html.escape(role)}{extra}</div>'
+            f'<div style="color:{color};font-size:85%;font-weight:600">{html.escape(label)}{extra}</div>'
             f'<pre style="white-space:pre-wrap;margin:0;font-size:90%;background:none">{body}</pre>{calls}</div>'
         )
     parts.append("</div>")
@@ -121,11 +135,15 @@ class TrajectoryView:
 
 
 def show_trajectory(trajectory: Trajectory) -> TrajectoryView:
-    """A rollout's conversation and reward, the way the dashboard shows it (for trying a rollout once)."""
+    """A rollout's conversation and reward, the way the dashboard shows it (for trying a rollout once).
+    Assistant turns that are not Choices (a worked example in the prompt) are labelled as such."""
+    from ..trajectory import Choice
+
     return TrajectoryView({
         "reward": trajectory.reward,
         "metrics": dict(trajectory.metrics),
         "messages": trajectory.messages(),
+        "sampled": [isinstance(item, Choice) for item in trajectory.messages_and_choices],
         "group": "-",
     })
 

@@ -86,6 +86,22 @@ def test_eval_logs_become_eval_points():
                          "metrics": {"reward": 0.75, "trajectories": 4.0}}) == "eval"
     assert state.evals == {2: {"reward": 0.75, "trajectories": 4.0}}
     assert "eval at step 2: reward 0.750" in state.text()
+    state.handle({"type": "log", "time": T0 + 60, "model": "m", "step": 0, "split": "val", "metrics": {"reward": -0.25}})
+    assert "eval at step 0 (the base model): reward -0.250" in state.text()
+
+
+def test_the_base_models_evaluation_is_the_plots_step_0_point():
+    from art_nb.notebook.figures import dashboard_figure
+
+    state = two_steps()
+    for step, reward in ((2, 0.75), (0, -0.25)):  # the notebooks log the base model's games after training
+        state.handle({"type": "log", "time": T0 + 50, "model": "m", "step": step, "split": "val",
+                      "metrics": {"reward": reward}})
+    reward_axis = dashboard_figure(state, "win", "t").axes[0]
+    evals = next(line for line in reward_axis.get_lines() if line.get_label() == "eval mean")
+    assert list(evals.get_xdata()) == [0.0, 2.0] and list(evals.get_ydata()) == [-0.25, 0.75]
+    assert [t.get_text() for t in reward_axis.texts] == ["base model"]
+    assert not dashboard_figure(two_steps(), "win", "t").axes[0].texts  # no base point, no label
 
 
 def test_history_lines_load_into_the_same_state():
@@ -154,6 +170,24 @@ def test_conversation_html_escapes_model_output_and_shows_reward_and_tools():
     assert "seen" in page and "(c1)" in page
     text = conversation_text(RECORD)
     assert text.splitlines()[0].startswith("reward 0.500") and "[tool] seen" in text
+
+
+def test_an_example_turn_in_the_prompt_is_not_shown_as_the_models_play(chatml_tokenizer):
+    import art_nb as art
+    from art_nb.envs import tic_tac_toe as ttt
+    from art_nb.notebook import show_trajectory
+
+    from conftest import make_choice
+
+    played = make_choice(chatml_tokenizer, "<move>B2</move>")
+    trajectory = art.Trajectory(messages_and_choices=[{"role": "system", "content": ttt.SYSTEM_PROMPT},
+                                                      *ttt.EXAMPLE_TURN, {"role": "user", "content": "board"}, played])
+    view = show_trajectory(trajectory)
+    lines = [line for line in str(view).splitlines() if line.startswith("[assistant")]
+    assert lines == ["[assistant · example written into the prompt, not played by the model] <move>C3</move>",
+                     "[assistant] <move>B2</move>"]
+    assert view._repr_html_().count("not played by the model") == 1
+    assert "not played" not in conversation_text(RECORD)  # records without "sampled" are shown as before
 
 
 def write_trajectories(model_dir: Path, split: str, step: int, rewards: list[float]) -> None:
@@ -250,6 +284,9 @@ def test_warnings_and_cell_exceptions_land_in_the_dashboard(dashboard, capsys):
     with pytest.raises(ValueError, match="bad reward"), dashboard:  # recorded, never swallowed
         raise ValueError("bad reward")
     assert "ValueError: bad reward" in dashboard._errors.value
+    # The text fallback keeps an error's first line: that is the error itself, not a file and line.
+    assert dashboard.state.text().splitlines()[-1] == "error: ValueError: bad reward"
+    assert "(raised in test_dashboard.py, line" in dashboard.state.errors[-1]
 
 
 def test_static_fallback_bundle_has_widget_text_and_png(dashboard):
