@@ -90,6 +90,7 @@ class _WandbSink:
     def __init__(self, model: ModelRef, model_dir: Path, key: Secret | None, config: dict[str, Any]) -> None:
         import wandb
 
+        model_dir.mkdir(parents=True, exist_ok=True)  # W&B's files go beside the run's own
         id_file = model_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         # console="off": W&B would otherwise copy the notebook's output (trajectories shown there) to the run.

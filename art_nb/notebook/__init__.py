@@ -1,4 +1,4 @@
-"""Notebook views: the live dashboard, the static summary, hardware defaults, export links.
+"""Notebook views: the live dashboard, the static summary, hardware defaults, export links, Drive.
 
 Needs the `notebook` extra (ipywidgets, matplotlib). Everything loads on first use, so importing
 `art_nb.notebook` (or `art_nb`) imports neither ipywidgets nor matplotlib nor torch.
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .dashboard import Dashboard
     from .evaluation import Comparison, compare
     from .export_view import show_export
+    from .colab import keep_on_drive
     from .hardware import (
         Hardware,
         NotebookDefaults,
@@ -32,6 +33,7 @@ __all__ = [
     "compare",
     "detect_hardware",
     "in_colab",
+    "keep_on_drive",
     "pick_defaults",
     "show_export",
     "show_trajectory",
@@ -47,6 +49,7 @@ _WHERE = {
     "NotebookDefaults": "hardware",
     "detect_hardware": "hardware",
     "in_colab": "hardware",
+    "keep_on_drive": "colab",
     "pick_defaults": "hardware",
     "show_export": "export_view",
     "TrainingSummary": "summary",

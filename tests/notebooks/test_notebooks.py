@@ -85,6 +85,7 @@ def test_notebook_runs_top_to_bottom(name, executed):
     assert all(math.isfinite(s["reward"]) and s["reward_min"] <= s["reward"] <= s["reward_max"] for s in summary["steps"])
     assert summary["served_step"] == STEPS and summary["checkpoint"] == str(last)
     assert str(STEPS) in summary["evals"]  # the trained model's evaluation was logged
+    assert "0" in summary["evals"]  # and the base model's, as the reward plot's step 0 point
     assert (out / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
 
     # The exported adapter: a zip and a PEFT directory that loads and holds the last step's weights.
@@ -99,6 +100,9 @@ def test_notebook_runs_top_to_bottom(name, executed):
                 and "image/png" in o.get("data", {})]
     assert len(fallback) == 1
     assert f"{STEPS} steps with rewards" in fallback[0]["data"]["text/plain"]
+    # "Talk to your model": the base model and the trained LoRA both answered the prompt.
+    talk = "".join(output_text(o) for o in outputs(notebook, find_cell(notebook, "PROMPT = ")))
+    assert f"base model ({model_name}@0):" in talk and f"trained LoRA ({model_name}@{STEPS}):" in talk
     summary_cell = outputs(notebook, find_cell(notebook, "dashboard.summary("))
     assert any("image/png" in o.get("data", {}) and "| 0 |" in output_text(o) for o in summary_cell)
 

@@ -512,3 +512,38 @@ def test_the_picked_metric_survives_new_metric_names(tmp_path):
         assert board._metric_picker.value == "invalid" and board._metric == "invalid"  # ...the pick stays
     finally:
         board.close()
+
+
+# ---- KEEP_ON_DRIVE --------------------------------------------------------------------------------
+
+
+def test_keep_on_drive_is_a_no_op_off_colab(monkeypatch, capsys):
+    from art_nb.notebook import colab
+
+    monkeypatch.setattr(colab, "in_colab", lambda: False)
+    assert colab.keep_on_drive(".art") == ".art"
+    assert "not on Colab" in capsys.readouterr().out
+
+
+def test_keep_on_drive_mounts_drive_once_and_keeps_the_run_there(monkeypatch, tmp_path):
+    import types as pytypes
+
+    from art_nb.notebook import colab
+
+    mounted = []
+
+    def mount(point):
+        mounted.append(point)
+        (Path(point) / "MyDrive").mkdir(parents=True)
+
+    google = pytypes.ModuleType("google")
+    google.colab = pytypes.ModuleType("google.colab")
+    google.colab.drive = pytypes.SimpleNamespace(mount=mount)
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", google.colab)
+    monkeypatch.setattr(colab, "in_colab", lambda: True)
+    point = tmp_path / "content" / "drive"
+    first = colab.keep_on_drive(".art", mount_point=str(point))
+    assert first == str(point / "MyDrive" / "art_nb" / ".art") and Path(first).is_dir()
+    assert colab.keep_on_drive("runs/.art", mount_point=str(point)) == first  # mounted already: not again
+    assert mounted == [str(point)]

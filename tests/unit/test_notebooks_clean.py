@@ -23,7 +23,7 @@ from art_nb.notebook import install as install_step  # imported before metadata 
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 EXPECTED = {"tic_tac_toe.ipynb", "2048.ipynb", "custom_rollout.ipynb"}
-PARAMETERS = {"BASE_MODEL", "STEPS", "GROUPS_PER_STEP", "ROLLOUTS_PER_GROUP", "LEARNING_RATE"}
+PARAMETERS = {"BASE_MODEL", "STEPS", "GROUPS_PER_STEP", "ROLLOUTS_PER_GROUP", "LEARNING_RATE", "KEEP_ON_DRIVE"}
 
 
 def load(path: Path) -> dict:
@@ -46,8 +46,10 @@ def test_the_three_notebooks_exist():
 def test_committed_without_outputs_or_widget_state(path):
     notebook = load(path)
     assert "widgets" not in notebook["metadata"], "widget state is saved: clear it (Edit > Clear outputs)"
-    assert set(notebook["metadata"]) <= {"kernelspec", "language_info"}, notebook["metadata"].keys()
+    assert set(notebook["metadata"]) == {"kernelspec", "language_info", "accelerator", "colab"}, notebook["metadata"].keys()
     assert notebook["metadata"]["kernelspec"]["name"] == "python3"
+    # Colab opens it on a GPU runtime (what Colab itself writes for "T4 GPU"); nothing else of Colab's is kept.
+    assert notebook["metadata"]["accelerator"] == "GPU" and notebook["metadata"]["colab"] == {"gpuType": "T4"}
     for index, cell in enumerate(notebook["cells"]):
         assert set(cell.get("metadata", {})) <= {"tags"}, f"cell {index} keeps run metadata {cell['metadata']}"
         if cell["cell_type"] == "code":
@@ -75,6 +77,35 @@ def test_notebook_shape(path):
     assert len(training) == 1 and "range(await model.get_step(), STEPS)" in source(training[0])
     assert any("get_inference_name(0)" in source(c) for c in cells), "evaluation against the base model"
     assert "export_model(" in source(cells[-1]), "the export cell comes last"
+    # The base model's evaluation is logged at step 0: the reward plot's base point.
+    assert any('split="val", step=0)' in source(c) for c in cells)
+    # A base model set in the parameters gets a learning rate for its size before anything uses it.
+    assert "LEARNING_RATE = defaults.learning_rate_for(BASE_MODEL, LEARNING_RATE)" in source(cells[2])
+    assert any("keep_on_drive(ART_PATH) if KEEP_ON_DRIVE else ART_PATH" in source(c) for c in cells)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_talk_to_your_model_after_training_before_export(path):
+    cells = code_cells(load(path))
+    talk = [i for i, c in enumerate(cells) if "PROMPT" in source(c) and "openai_client()" in source(c)]
+    assert len(talk) == 1
+    text = source(cells[talk[0]])
+    assert "model.get_inference_name(0)" in text and "model.get_inference_name()" in text  # base vs trained
+    assert "temperature=0.0" in text and '# @param {type:"string"}' in text  # greedy; a text box on Colab
+    trained = next(i for i, c in enumerate(cells) if "model.train(" in source(c))
+    assert trained < talk[0] < len(cells) - 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_cell_says_what_runs_how_long_and_where(path):
+    first = load(path)["cells"][0]
+    assert first["cell_type"] == "markdown"
+    text = source(first)
+    assert "**What a run does**" in text
+    assert "130–254 s" in text and "H200" in text  # measured numbers, named where they were measured
+    assert "not measured on a T4" in text and "not an A100" in text
+    assert "A CPU runtime runs the tiny model, SmolLM2-135M-Instruct" in text
+    assert "ART_NB_SOURCE" in text and "KEEP_ON_DRIVE" in text
 
 
 def test_custom_rollout_has_one_clearly_marked_rollout_cell():
