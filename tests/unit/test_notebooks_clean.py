@@ -221,8 +221,9 @@ def run_install(monkeypatch, tmp_path, capsys):
         for name in ("numpy", "ipywidgets", "torch", "transformers", "PIL", "tqdm"):
             if name in imported:
                 monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
-            else:
-                monkeypatch.delitem(sys.modules, name, raising=False)
+            else:  # the module and its submodules: the cell counts top-level names
+                for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                    monkeypatch.delitem(sys.modules, loaded)
         exec(compile(install_source(), "install-cell", "exec"), {})
         return capsys.readouterr().out
 
