@@ -263,3 +263,4 @@ class LogBody(BaseModel):
 class DeleteBody(BaseModel):
     steps: list[Step] | None = None
     keep_last: Annotated[int, Field(strict=True, ge=1)] = 1
+    best_metric: Annotated[str, Field(min_length=1, max_length=200)] | None = None

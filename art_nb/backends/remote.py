@@ -30,6 +30,7 @@ import httpx
 from .. import events
 from .._version import __version__
 from ..config import TrainConfig
+from ..porting import train_config
 from ..secrets import Secret, find_secret
 from ..store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, model_dir
 from ..trajectory import Trajectory, TrajectoryGroup, gathered_groups
@@ -160,7 +161,7 @@ class RemoteBackend:
             raise RemoteBackendError(problem)
         trainable: TrainableModelRef = model  # type: ignore[assignment]
         body = {"name": trainable.name, "project": trainable.project, "base_model": trainable.base_model,
-                "config": trainable.config.model_dump(mode="json")}
+                "config": trainable.backend_config.model_dump(mode="json")}
         # Loading a model can take minutes on the server: no read timeout for this one.
         reply = await self._call("POST", "/api/models", f"register {model.name!r}", json=body,
                                  timeout=httpx.Timeout(self.timeout, read=None))
@@ -181,7 +182,12 @@ class RemoteBackend:
         return int((await self._call("GET", f"/api/models/{model.name}/step", "get_step"))["step"])
 
     async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup],
-                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None,
+                    **kwargs: Any) -> TrainResult:
+        """One step on the server. ART's `backend.train(model, groups, learning_rate=..., ...)` works
+        unchanged (art_nb.porting maps its arguments onto TrainConfig)."""
+        if kwargs:
+            config = train_config(config, kwargs, "RemoteBackend.train")
         groups = gathered_groups(groups)  # checked here, before anything is sent
         body = {"groups": [group_to_wire(g) for g in groups],
                 "config": (config or TrainConfig()).model_dump(mode="json")}
@@ -238,8 +244,8 @@ class RemoteBackend:
         return summary
 
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None = None,
-                                 keep_last: int = 1) -> list[int]:
-        body = {"steps": None if steps is None else list(steps), "keep_last": keep_last}
+                                 keep_last: int = 1, *, best_metric: str | None = None) -> list[int]:
+        body = {"steps": None if steps is None else list(steps), "keep_last": keep_last, "best_metric": best_metric}
         reply = await self._call("POST", f"/api/models/{model.name}/checkpoints/delete", "delete_checkpoints",
                                  json=body)
         return [int(s) for s in reply["deleted"]]

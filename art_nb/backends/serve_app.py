@@ -9,7 +9,7 @@ One process owns the GPU: a `LocalBackend` (engine, trainer, checkpoints). This 
     POST /api/models/{name}/train                      {groups, config} -> NDJSON stream (see below)
     POST /api/models/{name}/log                        {items, split, step, metrics} -> summary
     GET  /api/models/{name}/checkpoints                steps on disk
-    POST /api/models/{name}/checkpoints/delete         {steps | null, keep_last}
+    POST /api/models/{name}/checkpoints/delete         {steps | null, keep_last, best_metric | null}
     GET  /api/models/{name}/checkpoints/{step}/files   [{name, size, sha256}]
     GET  /api/models/{name}/checkpoints/{step}/files/{file}
     /v1/models, /v1/chat/completions                   the OpenAI endpoint, same engine, same gate
@@ -268,7 +268,8 @@ class _Service:
     async def delete(self, request: Request) -> JSONResponse:
         model = self.model(request)
         body = await _body(request, DeleteBody)
-        deleted = await self.backend.delete_checkpoints(model, body.steps, keep_last=body.keep_last)
+        deleted = await self.backend.delete_checkpoints(model, body.steps, keep_last=body.keep_last,
+                                                        best_metric=body.best_metric)
         return JSONResponse({"deleted": deleted})
 
     async def _checkpoint(self, request: Request) -> Path:

@@ -118,7 +118,7 @@ async def test_projects_with_a_model_of_the_same_name_stay_apart(tiny_model_dir:
         await alice.register(backend)
         await bob.register(backend)
         assert backend.model_dir(alice) != backend.model_dir(bob)
-        assert alice.get_inference_name() == "agent" and bob.get_inference_name() == "bob/agent"
+        assert alice.get_inference_name() == "agent@0" and bob.get_inference_name() == "bob/agent@0"
         await bob.train(await gather_groups(bob, seed=2))
         assert await bob.get_step() == 1 and await alice.get_step() == 0  # bob's step is not alice's
         await backend.wait_for_checkpoint(bob)

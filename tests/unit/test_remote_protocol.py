@@ -216,9 +216,12 @@ class InstantBackend:
     async def log(self, model, items, split="val", step=None, metrics=None) -> dict[str, float]:
         return {"trajectories": float(sum(len(i) if isinstance(i, art.TrajectoryGroup) else 1 for i in items))}
 
-    async def delete_checkpoints(self, model, steps=None, keep_last=1) -> list[int]:
+    async def delete_checkpoints(self, model, steps=None, keep_last=1, *, best_metric=None) -> list[int]:
         existing = sorted(s for s in range(self.steps[model.name] + 1) if self.checkpoint_dir(model, s).exists())
         targets = sorted(set(steps) if steps is not None else set(existing[:-keep_last]))
+        if best_metric is not None:
+            self.best_metric_asked = best_metric
+            targets = existing[1:]  # pretend step 0 was best
         return [s for s in targets if s != self.steps[model.name]]
 
     def inference_endpoint(self, model):
@@ -602,3 +605,21 @@ async def test_concurrent_trains_of_one_model_take_turns_and_accept_different_st
     accepted = sorted(next(item["step"] for item in stream if item["type"] == "accepted") for stream in lines)
     results = sorted(next(item["step"] for item in stream if item["type"] == "result") for stream in lines)
     assert accepted == [0, 1] and results == [1, 2]
+
+
+async def test_art_style_train_arguments_and_best_checkpoint_deletion_work_remotely(served, tmp_path,
+                                                                                  chatml_tokenizer):
+    """ART's `backend.train(model, groups, learning_rate=...)` and `delete_checkpoints(best_checkpoint_metric=)`
+    reach the server through RemoteBackend as they do on LocalBackend."""
+    backend, url, _ = served
+    client = RemoteBackend(url, api_key=TOKEN, path=tmp_path / "client")
+    model = make_model()
+    await model.register(client)
+    group = art.TrajectoryGroup([art.Trajectory(
+        messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "blue")], reward=1.0)])
+    result = await client.train(model, [group], learning_rate=0.02, loss_fn="ppo")
+    assert result.step == 1 and result.metrics["lr"] == 0.02
+    with pytest.warns(UserWarning, match="no_such_knob"):
+        await client.train(model, [group], learning_rate=0.03, no_such_knob=1)
+    deleted = await client.delete_checkpoints(model, best_metric="val/reward")
+    assert backend.best_metric_asked == "val/reward" and deleted == [1]

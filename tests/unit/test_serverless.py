@@ -306,3 +306,12 @@ async def test_a_key_echoed_at_the_cut_is_redacted_before_the_message_is_cut(fak
         await model.train(make_groups(chatml_tokenizer))
     text = str(error.value)
     assert not any(KEY[i:i + 8] in text for i in range(len(KEY) - 7)), text[-80:]
+
+
+async def test_art_style_train_arguments_reach_the_job(fake, tmp_path, chatml_tokenizer):
+    """ART's `backend.train(model, groups, learning_rate=...)` works on the hosted backend too."""
+    backend, model = backend_for(fake, tmp_path), make_model()
+    await model.register(backend)
+    result = await backend.train(model, make_groups(chatml_tokenizer), learning_rate=3e-6)
+    assert result.step == 1
+    assert fake.calls("POST", "/v1/preview/training-jobs")[0]["body"]["experimental_config"]["learning_rate"] == 3e-6

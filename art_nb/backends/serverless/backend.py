@@ -28,7 +28,8 @@ from typing import Any, Protocol, cast
 
 from ... import events, store
 from ...config import TrainConfig
-from ...records import as_groups, record_groups
+from ...porting import train_config
+from ...records import as_groups, best_step, record_groups
 from ...secrets import Secret, find_secret
 from ...store import ADAPTER_FILES, META_FILE, ModelStore, checkpoint_path, checkpoint_steps
 from ...trajectory import Trajectory, TrajectoryGroup, gathered_groups
@@ -158,7 +159,12 @@ class ServerlessBackend:
         return await self._api.latest_step(remote.id)
 
     async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup],
-                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None,
+                    **kwargs: Any) -> TrainResult:
+        """One step as a hosted training job. ART's `backend.train(model, groups, learning_rate=..., ...)`
+        works unchanged (art_nb.porting maps its arguments onto TrainConfig)."""
+        if kwargs:
+            config = train_config(config, kwargs, "ServerlessBackend.train")
         groups = gathered_groups(groups)  # checked before anything is written or sent
         registered = self._registered(model)
         async with self._locks[(model.project, model.name)]:
@@ -242,9 +248,12 @@ class ServerlessBackend:
         return store.model_dir(self.path, model.project, model.name)
 
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None = None,
-                                 keep_last: int = 1) -> list[int]:
+                                 keep_last: int = 1, *, best_metric: str | None = None) -> list[int]:
         existing = await self.list_checkpoints(model)
         targets = set(steps) if steps is not None else set(existing[: max(0, len(existing) - max(keep_last, 1))])
+        if best_metric is not None:  # ART's rule: keep the latest and the best by a metric this machine logged
+            history = await asyncio.to_thread(store.read_jsonl, self.model_dir(model) / store.HISTORY_FILE)
+            targets = set(existing) - {best_step(history, best_metric)}
         chosen = sorted((targets & set(existing)) - {existing[-1]}) if existing else []  # the latest is served
         if chosen:
             await self._api.delete_checkpoints(self._registered(model).remote.id, chosen)
