@@ -197,25 +197,37 @@ async def request_with_retries(
 
 
 def trajectory_to_wire(trajectory: Trajectory) -> dict[str, Any]:
-    """JSON-ready dict; Choices are tagged so they decode back to Choices (token ids, logprobs)."""
+    """JSON-ready dict; Choices are tagged so they decode back to Choices (token ids, logprobs), in the
+    main conversation and in every additional history alike."""
     data = trajectory.model_dump(mode="json")
-    data["messages_and_choices"] = [
-        {"choice": dumped} if isinstance(item, Choice) else {"message": dumped}
-        for item, dumped in zip(trajectory.messages_and_choices, data["messages_and_choices"], strict=True)
-    ]
+    data["messages_and_choices"] = _tagged(trajectory.messages_and_choices, data["messages_and_choices"])
+    for history, dumped in zip(trajectory.additional_histories, data.get("additional_histories") or [], strict=True):
+        dumped["messages_and_choices"] = _tagged(history.messages_and_choices, dumped["messages_and_choices"])
     return data
 
 
 def trajectory_from_wire(data: dict[str, Any]) -> Trajectory:
-    items: list[Any] = []
-    for i, item in enumerate(data.get("messages_and_choices") or []):
+    histories = [{**h, "messages_and_choices": _untagged(h.get("messages_and_choices"), f"additional_histories[{i}]")}
+                 for i, h in enumerate(data.get("additional_histories") or [])]
+    return Trajectory.model_validate({**data, "messages_and_choices": _untagged(data.get("messages_and_choices"), ""),
+                                      "additional_histories": histories})
+
+
+def _tagged(items: list[Any], dumped: list[Any]) -> list[dict[str, Any]]:
+    return [{"choice": d} if isinstance(item, Choice) else {"message": d} for item, d in zip(items, dumped, strict=True)]
+
+
+def _untagged(items: list[Any] | None, where: str) -> list[Any]:
+    out: list[Any] = []
+    for i, item in enumerate(items or []):
         if isinstance(item, dict) and set(item) == {"choice"}:
-            items.append(Choice.model_validate(item["choice"]))
+            out.append(Choice.model_validate(item["choice"]))
         elif isinstance(item, dict) and set(item) == {"message"}:
-            items.append(item["message"])
+            out.append(item["message"])
         else:
-            raise ValueError(f"messages_and_choices[{i}] is not tagged {{'message': ...}} or {{'choice': ...}}")
-    return Trajectory.model_validate({**data, "messages_and_choices": items})
+            raise ValueError(f"{where}{'.' if where else ''}messages_and_choices[{i}] is not tagged "
+                             "{'message': ...} or {'choice': ...}")
+    return out
 
 
 def group_to_wire(group: TrajectoryGroup) -> dict[str, Any]:

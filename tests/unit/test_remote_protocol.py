@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import make_choice
+from openai.types.chat.chat_completion import Choice
 
 import art_nb as art
 from art_nb import cli, events, web
@@ -65,6 +66,18 @@ def test_choices_round_trip_with_token_ids_and_logprobs(chatml_tokenizer):
     assert restored.messages_and_choices[3].message.tool_calls[0].function.arguments == '{"cell": 4}'
     with pytest.raises(ValueError, match="not tagged"):
         trajectory_from_wire({**trajectory_to_wire(trajectory), "messages_and_choices": [{"role": "user"}]})
+
+
+def test_additional_histories_keep_their_choices_over_the_wire(chatml_tokenizer):
+    """A sub-agent's conversation (ART's additional_histories) is trained on too: its Choices must arrive as
+    Choices, token ids included, not as plain dicts (they did: only the main conversation was tagged)."""
+    sub = art.trajectory.History(messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "green")])
+    trajectory = art.Trajectory(messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "blue")], reward=1.0,
+                                additional_histories=[sub])
+    restored = trajectory_from_wire(json.loads(json.dumps(trajectory_to_wire(trajectory))))
+    choice = restored.additional_histories[0].messages_and_choices[1]
+    assert isinstance(choice, Choice)
+    assert choice.model_extra["token_ids"] == make_choice(chatml_tokenizer, "green").model_extra["token_ids"]
 
 
 def test_versions_must_agree_on_major_minor():
