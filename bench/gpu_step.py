@@ -137,7 +137,7 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
             extra_body={"ignore_eos": True})
         return art.Trajectory(messages_and_choices=[*messages, completion.choices[0]], reward=reward(seed))
 
-    config = art.TrainConfig(learning_rate=LEARNING_RATE)
+    config = art.TrainConfig(learning_rate=LEARNING_RATE, loss="ppo")  # as measured before CISPO became the default
     result["steps"] = []
     peak = GpuUsedPeak() if cuda() else None
     with peak or _nothing():

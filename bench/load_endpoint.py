@@ -174,7 +174,7 @@ async def run_load(config: LoadConfig, scratch: Path) -> dict[str, Any]:
         third.cancel()
         in_flight_at_train = backend._runtime.gate.in_flight
         train_start = time.perf_counter()
-        result = await model.train(train_groups, config=art.TrainConfig(learning_rate=1e-4))
+        result = await model.train(train_groups, config=art.TrainConfig(learning_rate=1e-4, loss="ppo"))
         first.train_window = (train_start, time.perf_counter())
         groups1 = await gathering
         wave1_time = time.perf_counter() - wave1_start
