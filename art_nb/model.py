@@ -166,6 +166,7 @@ class TrainableModel(Model):
     lora_config: dict[str, Any] | None = None
     run_name: str | None = None
     _internal_config: dict[str, Any] | None = PrivateAttr(default=None)
+    _reporter: Any = PrivateAttr(default=None)  # art_nb.reporting.Reporter once registered
 
     def __init__(self, *, _internal_config: Mapping[str, Any] | None = None, **data: Any) -> None:
         super().__init__(**data)
@@ -197,6 +198,9 @@ class TrainableModel(Model):
         self.inference_base_url = endpoint.base_url
         self.inference_api_key = endpoint.api_key
         self.inference_model_name = backend.inference_model_name(self)
+        from . import reporting  # W&B / trackio per ART's rule: report_metrics=None means W&B when a key is found
+
+        self._reporter = reporting.start(self, backend, self.report_metrics)
 
     def _endpoint(self) -> tuple[str, str]:
         if self._backend is not None:

@@ -25,6 +25,7 @@ settings: never printed, logged, or put in the environment.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -68,6 +69,10 @@ def resolve_targets(report_metrics: Sequence[str] | None) -> tuple[list[str], Se
     """(targets, W&B key): ART's rule for None (W&B when a key is found), a list checked by name."""
     key = find_secret(None, name=KEY_NAME, required=False)
     if report_metrics is None:
+        if key is not None and importlib.util.find_spec("wandb") is None:
+            _log.warning("a W&B key was found but the wandb package is not installed, so metrics go to this "
+                         "run's files only: pip install wandb (or report_metrics=[] to say so)")
+            return [], key
         return (["wandb"] if key is not None else []), key
     if isinstance(report_metrics, str):
         raise TypeError(f"report_metrics is a list, e.g. [{report_metrics!r}]; got the string {report_metrics!r}")

@@ -244,3 +244,44 @@ def test_a_failing_sink_never_reaches_training(monkeypatch, tmp_path, caplog):
     assert "reporting step 0 to trackio failed: ConnectionError" in caplog.text
     replaced = reporting.start(model(), FakeBackend(tmp_path), [])
     assert replaced is not reporter and fake.finished == 1  # other targets: the old reporter ended
+
+
+class RegisteringBackend(FakeBackend):
+    """The bits of the Backend protocol `TrainableModel.register` calls."""
+
+    async def register(self, model) -> None:
+        pass
+
+    def inference_endpoint(self, model):
+        from art_nb.types import InferenceEndpoint
+
+        return InferenceEndpoint(base_url="http://127.0.0.1:9/v1", api_key="k")
+
+    def inference_model_name(self, model, step=None) -> str:
+        return f"{model.name}@0"
+
+
+async def test_registering_a_model_starts_its_reporter(monkeypatch, tmp_path):
+    """`TrainableModel(report_metrics=...)` as in ART: register starts the reporter, once per model."""
+    import art_nb as art
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    backend = RegisteringBackend(tmp_path / "run")
+    trained = art.TrainableModel(name="m", project="p", base_model="tiny/model", report_metrics=["wandb"])
+    await trained.register(backend)
+    reporter = trained._reporter
+    assert reporter is not None and set(reporter.sinks) == {"wandb"}
+    await trained.register(backend)  # a re-run cell keeps the same run
+    assert trained._reporter is reporter
+    quiet = art.TrainableModel(name="q", project="p", base_model="tiny/model")  # None and no key: nothing
+    await quiet.register(RegisteringBackend(tmp_path / "quiet"))
+    assert not quiet._reporter.sinks
+
+
+def test_a_key_without_the_wandb_package_reports_nowhere_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    real_find_spec = reporting.importlib.util.find_spec
+    monkeypatch.setattr(reporting.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    assert reporting.resolve_targets(None)[0] == []
+    assert "pip install wandb" in caplog.text and FAKE_KEY not in caplog.text
