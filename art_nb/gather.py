@@ -53,9 +53,9 @@ class _Tally:
     dashboard's "gather_progress" events."""
 
     def __init__(self, desc: str | None, total: int, max_exceptions: float, max_metrics: int | None) -> None:
-        from tqdm.auto import tqdm
+        from .utils.progress import progress_bar  # leaves its final state in a saved notebook, not "0%"
 
-        self.bar = tqdm(total=total, desc=desc, disable=desc is None, dynamic_ncols=True)
+        self.bar = progress_bar(total=total, desc=desc, disable=desc is None, dynamic_ncols=True)
         self.desc, self.max_exceptions, self.max_metrics = desc, max_exceptions, max_metrics
         self.budget = _budget(max_exceptions, total)
         self.sums: dict[str, float] = {}

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import events
 from .store import ModelStore
-from .trajectory import Trajectory, TrajectoryGroup
+from .trajectory import Choice, Trajectory, TrajectoryGroup
 
 __all__ = ["as_groups", "best_step", "mean_and_std", "record_groups", "record_metrics", "summarize", "trajectory_record",
            "unrecorded"]
@@ -28,6 +28,9 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
         "metrics": trajectory.metrics,
         "metadata": trajectory.metadata,
         "messages": trajectory.messages(),
+        # Which messages the model sampled (a Choice) and which were written into the prompt: the viewer
+        # labels an assistant turn that the model did not play (an example in the prompt).
+        "sampled": [isinstance(item, Choice) for item in trajectory.messages_and_choices],
         "tools": trajectory.tools,
         "logs": trajectory.logs,
     }

@@ -45,9 +45,9 @@ def iterate_dataset(
     total = steps_per_epoch * num_epochs
     bar = None
     if use_tqdm:
-        from tqdm.auto import tqdm
+        from .progress import progress_bar
 
-        bar = tqdm(total=total, initial=min(initial_step, total), desc="steps", dynamic_ncols=True)
+        bar = progress_bar(total=total, initial=min(initial_step, total), desc="steps", dynamic_ncols=True)
     try:
         for epoch in range(num_epochs):
             order = list(range(len(dataset)))

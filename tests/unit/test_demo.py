@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import art_nb as art
 from art_nb.demo import register_and_show_choices
@@ -34,6 +36,9 @@ class _ChattyBackend:
 
     def inference_model_name(self, model, step=None):
         return f"{model.name}@{step or 0}"
+
+    def model_dir(self, model):  # where register's reporter would keep a W&B run id (none here: no key)
+        return Path(tempfile.gettempdir()) / "art_nb-test-demo" / model.name
 
 
 async def test_each_choice_is_shown_once(capsys, caplog):
