@@ -46,9 +46,16 @@ MIN_REUSE_TOKENS = 16
 
 
 def default_budget(device: torch.device) -> int:
-    """Bytes the prefix cache holds on `device` unless told otherwise (see CPU_SHARE, CUDA_SHARE)."""
+    """Bytes the prefix cache holds on `device` unless told otherwise (see CPU_SHARE, CUDA_SHARE).
+
+    On a GPU, a share of this process's cap (`torch.cuda.set_per_process_memory_fraction`: a shared GPU,
+    or a bigger GPU standing in for a T4) rather than of the whole device.
+    """
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * CUDA_SHARE)
+        fraction = 1.0
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):  # third-party: absent before torch 2.6
+            fraction = min(1.0, float(torch.cuda.get_per_process_memory_fraction(device)))
+        return int(torch.cuda.get_device_properties(device).total_memory * fraction * CUDA_SHARE)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no sysconf (Windows): assume a modest machine

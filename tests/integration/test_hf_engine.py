@@ -65,6 +65,22 @@ async def test_greedy_is_deterministic_and_logprobs_match_a_full_forward(engine:
     torch.testing.assert_close(torch.tensor(first.logprobs), expected, atol=1e-4, rtol=0)
 
 
+async def test_a_chat_reuses_the_previous_turns_keys_and_values_exactly(engine: HFEngine) -> None:
+    """Each turn re-renders the conversation through the chat template (the reply as text, as a rollout
+    sends it); the prefix cache still finds the earlier turn, and logprobs match a full forward."""
+    engine.stats = EngineStats()
+    messages = [{"role": "system", "content": "You play a board game. Answer with one move."}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Board {turn}: X . O / . X . / O . . Your move?"})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        [sample] = await engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=10, temperature=0.0)))
+        expected = full_forward_logprobs(engine._model, prompt, sample.token_ids)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-4, rtol=0)
+        messages.append({"role": "assistant", "content": engine.tokenizer.decode(sample.token_ids, skip_special_tokens=True)})
+    assert engine.stats.prefix_hits == 3
+    assert engine.stats.reused_tokens > 2 * engine.stats.prefilled_tokens  # most of each later prompt came from the cache
+
+
 async def test_concurrent_requests_share_one_batch(engine: HFEngine) -> None:
     engine.stats = EngineStats()
     prompts = [chat(engine, f"Name a color number {i}.") for i in range(16)]
