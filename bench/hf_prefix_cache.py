@@ -9,7 +9,10 @@ notebooks' games, through the path a rollout takes (`model.openai_client()` -> a
 - 2048-like: 1 group of 2 games, 40 turns each, replies of up to 8 tokens. Each turn's user message
   is the board alone (~28 tokens; the env's full message, ~60 tokens with the valid moves and the
   format reminder, with `--full-messages`), so the quadratic baseline fits the default run: with the
-  full messages the 2 games alone took 640 s with the cache off (9.0x slower than on).
+  full messages the 2 games alone took 640 s with the cache off (9.0x slower than on);
+- the CPU demo's evaluation (`art_nb.demo`): 32 real tic-tac-toe games, greedy, 8 at a time, the
+  model's replies deciding the game (`envs.tic_tac_toe.rollout`); the base model's invalid moves end
+  most games early, so this shows the cache where conversations are short.
 
 Each game starts from its group's board (the games of a group share their first prompt, as GRPO
 groups do) and the board then moves on by a per-game seeded script, not by the model's reply: an
@@ -20,7 +23,7 @@ both modes must produce the very same replies (checked, token ids and text).
 The modes alternate (off, on, then on, off, ...) on one engine, its cache cleared before each run
 (`engine.prefix_cache.resize`/`clear`). Each run records wall and CPU seconds, the 1-minute load
 average, and the engine's counters (prompt tokens prefilled and reused, hits, decode steps). The
-ratio is off time / on time. Default run: ~8 minutes on a 2-core machine.
+ratio is off time / on time. Default run: ~10 minutes on a 2-core machine.
 
     .venv/bin/python bench/hf_prefix_cache.py [--repeats 1] [--groups G --games N] [--full-messages] [--model DIR]
 """
@@ -53,7 +56,9 @@ class Workload:
 
 
 WORKLOADS = {"tic_tac_toe": Workload("tic_tac_toe", 9, 16, groups=2, games=2),
-             "game_2048": Workload("game_2048", 40, 8, groups=1, games=2, full_messages=False)}
+             "game_2048": Workload("game_2048", 40, 8, groups=1, games=2, full_messages=False),
+             "demo_eval": Workload("demo_eval", 9, 16, groups=1, games=32)}
+DEMO_EVAL_SEED, DEMO_EVAL_CONCURRENCY = 10_000, 8  # art_nb.demo's evaluation: DemoConfig.eval_seed, evaluate()'s default
 
 
 def scripted_game(workload: Workload, group: int, game: int) -> tuple[list[dict[str, str]], list[str]]:
@@ -108,6 +113,24 @@ async def play(model: Any, workload: Workload, group: int, game: int) -> dict[st
             "last_prompt_tokens": prompt_tokens}
 
 
+async def play_demo_game(model: Any, seed: int, slots: asyncio.Semaphore) -> dict[str, Any]:
+    """One game of the CPU demo's evaluation: the env's own rollout, greedy."""
+    from art_nb.envs import tic_tac_toe as env
+
+    async with slots:
+        trajectory = await env.rollout(model, env.TicTacToeScenario(seed=seed), temperature=0.0)
+    return {"replies": [c.model_extra["token_ids"] for c in trajectory.choices()],
+            "text": [m["content"] for m in trajectory.messages() if m["role"] == "assistant"][1:],  # [0]: the example
+            "reward": trajectory.reward, "last_prompt_tokens": None}
+
+
+def games(model: Any, workload: Workload) -> list[Any]:
+    if workload.name == "demo_eval":
+        slots = asyncio.Semaphore(DEMO_EVAL_CONCURRENCY)
+        return [play_demo_game(model, DEMO_EVAL_SEED + i, slots) for i in range(workload.games)]
+    return [play(model, workload, g, i) for g in range(workload.groups) for i in range(workload.games)]
+
+
 async def run_once(model: Any, engine: Any, workload: Workload, cached: bool, budget: int) -> dict[str, Any]:
     """Every game of every group at once (as `gather_trajectory_groups` runs them), the cache on or off."""
     engine.prefix_cache.resize(budget if cached else 0)
@@ -115,7 +138,7 @@ async def run_once(model: Any, engine: Any, workload: Workload, cached: bool, bu
     before = dataclasses.asdict(engine.stats)
     load = loadavg()
     started, cpu = time.perf_counter(), time.process_time()
-    played = await asyncio.gather(*(play(model, workload, g, i) for g in range(workload.groups) for i in range(workload.games)))
+    played = await asyncio.gather(*games(model, workload))
     seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu
     after = dataclasses.asdict(engine.stats)
     counters = {k: after[k] - before[k] for k in after if k != "max_batch_size"}
@@ -160,18 +183,19 @@ async def run(args: argparse.Namespace, results: Results) -> None:
             speedup = median["off"] / median["on"]
             per_repeat = [round(a["seconds"] / b["seconds"], 3) for a, b in zip(off, on, strict=True)]
             prefilled = {k: stats([r["engine"]["prefilled_tokens"] for r in v])["median"] for k, v in (("off", off), ("on", on))}
-            longest = max(g["last_prompt_tokens"] for g in off[0]["games"])
+            longest = max(g["last_prompt_tokens"] or 0 for g in off[0]["games"]) or None
+            requests = sum(len(g["replies"]) for g in off[0]["games"])
             for r in runs[1:]:
                 r.pop("games")  # the first run's games are kept; the others were checked equal to them
             entry.update(
-                workload=dataclasses.asdict(workload), requests=workload.groups * workload.games * workload.turns,
+                workload=dataclasses.asdict(workload), requests=requests,
                 longest_prompt_tokens=longest, runs=runs,
                 seconds={"off": stats([r["seconds"] for r in off]), "on": stats([r["seconds"] for r in on])},
                 cpu_seconds={"off": stats([r["cpu_s"] for r in off]), "on": stats([r["cpu_s"] for r in on])},
                 speedup=round(speedup, 3), speedup_per_repeat=per_repeat, prefilled_tokens=prefilled,
                 same_replies=same,
-                summary=f"{name}: {workload.groups}x{workload.games} games x {workload.turns} turns (prompts up to "
-                        f"{longest} tokens): cache off {median['off']:.1f} s, on {median['on']:.1f} s -> "
+                summary=f"{name}: {workload.groups}x{workload.games} games, {requests} requests"
+                        f"{f' (prompts up to {longest} tokens)' if longest else ''}: cache off {median['off']:.1f} s, on {median['on']:.1f} s -> "
                         f"{speedup:.2f}x (per repeat {per_repeat}); prompt tokens prefilled {prefilled['off']:.0f} -> "
                         f"{prefilled['on']:.0f}; same replies: {same}",
             )

@@ -22,6 +22,7 @@ it could and recomputes the rest in place of padding, which costs the same forwa
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -82,6 +83,7 @@ def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 class Entry:
     """One cached sequence: per layer, keys and values of shape [heads, len(tokens), head_dim]."""
 
+    adapter: str | None
     tokens: tuple[int, ...]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
@@ -96,7 +98,9 @@ class PrefixCache:
 
     def __init__(self, budget: int) -> None:
         self._budget = max(0, budget)
-        self._entries: OrderedDict[tuple[str | None, tuple[int, ...]], Entry] = OrderedDict()
+        # Keyed by a serial number: a key of token ids would be hashed, all of it, on every lookup.
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._serial = itertools.count()
         self._lock = threading.Lock()
         self.nbytes = 0
         self.evictions = 0
@@ -123,24 +127,29 @@ class PrefixCache:
         """Forget the entries computed with `adapters`: their weights are gone."""
         doomed = set(adapters)
         with self._lock:
-            for key in [k for k in self._entries if k[0] in doomed]:
+            for key in [k for k, e in self._entries.items() if e.adapter in doomed]:
                 self._drop(key)
 
     def match(self, adapter: str | None, prompt: tuple[int, ...]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` and how many tokens of it to reuse: fewer
         than the whole prompt (its last token must run to give the next token's logits), and 0 under
         `MIN_REUSE_TOKENS`."""
-        best, shared = None, 0
+        best, best_key, shared = None, -1, 0
         with self._lock:
-            for (owner, tokens), entry in self._entries.items():
-                if owner == adapter and tokens[0] == prompt[0]:
+            for key, entry in reversed(self._entries.items()):  # recent first: likely the best
+                if shared == len(prompt):
+                    break
+                # To beat the best so far an entry must agree where the best stops agreeing: a one-token
+                # test that rejects almost every other entry without comparing prefixes.
+                tokens = entry.tokens
+                if entry.adapter == adapter and len(tokens) > shared and tokens[shared] == prompt[shared]:
                     n = common_prefix(tokens, prompt)
                     if n > shared:
-                        best, shared = entry, n
+                        best, best_key, shared = entry, key, n
             reuse = min(shared, len(prompt) - 1)
             if best is None or reuse < MIN_REUSE_TOKENS:
                 return None, 0
-            self._entries.move_to_end((adapter, best.tokens))
+            self._entries.move_to_end(best_key)
         return best, reuse
 
     def store(self, adapter: str | None, tokens: tuple[int, ...], cache: DynamicCache, row: int) -> bool:
@@ -157,20 +166,20 @@ class PrefixCache:
         with self._lock:
             if nbytes > self._budget:
                 return False
-            for key in [k for k in self._entries if k[0] == adapter]:
-                other = key[1]
-                if len(other) >= n and other[:n] == tokens:
+            for key in [k for k, e in self._entries.items() if e.adapter == adapter]:
+                other = self._entries[key].tokens  # the last-token tests skip most slice comparisons
+                if len(other) >= n and other[n - 1] == tokens[-1] and other[:n] == tokens:
                     self._entries.move_to_end(key)
                     return False
-                if tokens[: len(other)] == other:
+                if len(other) < n and tokens[len(other) - 1] == other[-1] and tokens[: len(other)] == other:
                     self._drop(key)
             layers = [(layer.keys[row, :, -n:].clone(), layer.values[row, :, -n:].clone()) for layer in cache.layers]
-            self._entries[(adapter, tokens)] = Entry(tokens, layers, nbytes)
+            self._entries[next(self._serial)] = Entry(adapter, tokens, layers, nbytes)
             self.nbytes += nbytes
             self._evict()
         return True
 
-    def _drop(self, key: tuple[str | None, tuple[int, ...]]) -> None:
+    def _drop(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes
 
     def _evict(self) -> None:

@@ -58,6 +58,17 @@ def test_match_takes_the_longest_common_prefix_and_leaves_one_token_to_run() -> 
     assert cache.match("adapter_0", base + seq(100, 10)) == (None, 0)  # other weights, other keys
 
 
+def test_match_finds_the_best_entry_among_decoys() -> None:
+    """Entries that agree with the prompt where the best so far stops agreeing, but diverge earlier, lose."""
+    prompt = seq(0, 60)
+    cache = PrefixCache(budget=10**9)
+    cache.store(None, prompt[:40] + seq(900, 10), kv_cache(1, 50), 0)  # the best: 40 shared
+    cache.store(None, prompt[:20] + (999,) + prompt[21:45], kv_cache(1, 45), 0)  # agrees at 40, diverges at 20
+    cache.store(None, prompt[:25] + seq(700, 20), kv_cache(1, 45), 0)  # most recent: looked at first, 25 shared
+    entry, reuse = cache.match(None, prompt)
+    assert reuse == 40 and entry is not None and entry.tokens[40] == 900
+
+
 def test_store_copies_the_rows_last_columns() -> None:
     cache = PrefixCache(budget=10**9)
     batch = kv_cache(3, 50)  # row 1's sequence is its last 20 columns (left padding before them)
