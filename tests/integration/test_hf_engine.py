@@ -12,7 +12,6 @@ import pytest
 import pytest_asyncio
 import torch
 
-from art_nb.plan import Plan
 from art_nb.config import ModelConfig
 from art_nb.engines.base import (
     ContextTooLongError,
@@ -23,6 +22,7 @@ from art_nb.engines.base import (
 )
 from art_nb.engines.hf import EngineStats, HFEngine
 from art_nb.models import TINY_MODEL, resolve_base_model
+from art_nb.plan import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 

@@ -12,7 +12,12 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from art_nb.engines.base import EngineError, SamplingParams
 from art_nb.engines.hf_batch import PREFILL_TOKENS, Job, Row, prefill_chunks
-from art_nb.engines.hf_prefix import MIN_REUSE_TOKENS, PrefixCache, chunk_inputs, common_prefix
+from art_nb.engines.hf_prefix import (
+    MIN_REUSE_TOKENS,
+    PrefixCache,
+    chunk_inputs,
+    common_prefix,
+)
 
 LAYERS, HEADS, DIM = 2, 2, 4
 BYTES_PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # keys and values, float32
