@@ -48,6 +48,10 @@ class ModelConfig(BaseModel):
     load_in_4bit: bool = False
     cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; None = chosen and reported")
     max_batch_size: int = Field(64, ge=1, description="sequences the transformers engine decodes at once")
+    prefix_cache_gib: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="memory the transformers engine may keep for reusing the KV "
+        "cache of shared prompt prefixes (a conversation's earlier turns, a group's shared prompt); 0 turns it off; "
+        "None: 10% of RAM on CPU, 5% of the GPU memory this process may use")
     gpu_memory_utilization: float | None = Field(None, gt=0, lt=1, description="vLLM's share; None = auto")
     sleep_during_training: bool | None = Field(
         None, description="put vLLM to sleep while a step trains; None = only when training would not fit beside it")

@@ -111,7 +111,8 @@ class HFEngine:
 
         `plan` (`plan_for(config)` when None) gives the device, the dtype the trainer shares and the
         CPU thread count; `device` overrides the plan's device (tests), not its dtype.
-        `prefix_cache_bytes`: the prefix cache's budget (0: off; None: `hf_prefix.default_budget`).
+        `prefix_cache_bytes`: the prefix cache's budget (0: off; None: `ModelConfig.prefix_cache_gib`, whose
+        None is `hf_prefix.default_budget`).
         """
         from ..plan import plan_for
 
@@ -123,6 +124,8 @@ class HFEngine:
             torch.set_num_threads(threads)
         logger.debug("HF engine: %s on %s, %d torch thread(s)", plan.dtype, dev, threads)
         model, tokenizer = await asyncio.to_thread(hf_model.load, Path(model_path), plan.torch_dtype(), dev)
+        if prefix_cache_bytes is None and config.prefix_cache_gib is not None:
+            prefix_cache_bytes = int(config.prefix_cache_gib * 2**30)
         return cls(model, tokenizer, config, dev, threads, prefix_cache_bytes)
 
     # ---- the Engine protocol -------------------------------------------------------------------

@@ -233,3 +233,15 @@ async def test_sliding_window_attention_sees_the_same_distances(tmp_path: Path) 
         assert engine.stats.prefix_hits == 4
     finally:
         await engine.close()
+
+
+async def test_model_config_sets_the_prefix_cache_budget(model_dir: Path):
+    """`ModelConfig(prefix_cache_gib=0)` turns the cache off (the user's safety valve); a size sets its budget."""
+    off = await HFEngine.create(model_dir, CONFIG.model_copy(update={"prefix_cache_gib": 0}))
+    sized = await HFEngine.create(model_dir, CONFIG.model_copy(update={"prefix_cache_gib": 0.25}))
+    try:
+        assert off.prefix_cache.budget == 0
+        assert sized.prefix_cache.budget == 2**28
+    finally:
+        await off.close()
+        await sized.close()
