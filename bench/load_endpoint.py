@@ -175,6 +175,7 @@ async def run_load(config: LoadConfig, scratch: Path) -> dict[str, Any]:
         in_flight_at_train = backend._runtime.gate.in_flight
         train_start = time.perf_counter()
         result = await model.train(train_groups, config=art.TrainConfig(learning_rate=1e-4, loss="ppo"))
+        served_after = model.get_inference_name()  # read while the backend is open (it names the served step)
         first.train_window = (train_start, time.perf_counter())
         groups1 = await gathering
         wave1_time = time.perf_counter() - wave1_start
@@ -211,7 +212,7 @@ async def run_load(config: LoadConfig, scratch: Path) -> dict[str, Any]:
             "phases_s": {k.removeprefix("time/"): round(v, 3) for k, v in result.metrics.items() if k.startswith("time/")},
             "requests_in_engine_when_it_started": in_flight_at_train,
             "requests_that_overlapped_it": waited,
-            "served_after": model.get_inference_name(),
+            "served_after": served_after,
         },
         "memory_mb": {
             "after_register_and_warmup": round(baseline, 1), "peak": round(peak, 1),
