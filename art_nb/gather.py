@@ -12,7 +12,6 @@ and are re-exported here, their older home.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import traceback
@@ -20,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from . import events
-from .trajectory import Trajectory, TrajectoryGroup
+from .trajectory import Trajectory, TrajectoryGroup, gather_or_cancel
 from .utils import DatasetBatch, iterate_dataset, limit_concurrency, retry
 
 __all__ = [
@@ -137,14 +136,8 @@ async def gather_trajectory_groups(
             return []
         return list(result) if isinstance(result, (list, tuple)) else [result]
 
-    tasks = [asyncio.ensure_future(run_group(item)) for item in items]
     try:
-        results = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        results = await gather_or_cancel([run_group(item) for item in items])
     finally:
         tally.close()
     return [group for result in results for group in result]
@@ -179,13 +172,7 @@ async def gather_trajectories(
         tally.outcome(finished[0] if finished else Trajectory(), None)
         return result
 
-    tasks = [asyncio.ensure_future(one(a)) for a in awaitables]
     try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        return await gather_or_cancel([one(a) for a in awaitables])
     finally:
         tally.close()

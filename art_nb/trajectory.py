@@ -22,7 +22,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -45,6 +45,8 @@ from .messages import (
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+T = TypeVar("T")
 
 __all__ = ["Choice", "History", "MessageOrChoice", "RolloutException", "Trajectory", "TrajectoryGroup", "check_groups",
            "choice_to_message", "gathered_groups", "template_message", "trajectory_problem"]
@@ -290,14 +292,7 @@ class TrajectoryGroup(BaseModel):
             on_outcome(result, None)
             return result
 
-        tasks = [asyncio.ensure_future(one(p)) for p in self._pending]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        results = await gather_or_cancel([one(p) for p in self._pending])
         return TrajectoryGroup(
             [*self.trajectories, *results], exceptions=list(self.exceptions),
             metadata=self.metadata, metrics=self.metrics, logs=self.logs,
@@ -346,3 +341,16 @@ def trajectory_problem(trajectory: Trajectory) -> str | None:
             for e in error.errors()
         )
     return None
+
+
+async def gather_or_cancel(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all of `coros` concurrently; if one fails (or the caller is interrupted), cancel the rest and
+    wait until they have stopped before raising, so no rollout keeps running behind the error."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
