@@ -38,6 +38,7 @@ from ...types import (
     inference_name,
 )
 from .loop import BackgroundLoop
+from .phases import phase_bar
 from .runtime import forget, runtime_for
 from .state import ModelState, TrainingStoppedError
 
@@ -99,7 +100,14 @@ class LocalBackend:
         if not model.trainable:
             self._runtime.register_for_logging(model)
             return
-        await self.loop.run(self._runtime.register(model))  # type: ignore[arg-type]
+        if self._runtime.registered(model):  # a re-run cell: nothing loads, nothing to show
+            await self.loop.run(self._runtime.register(model))  # type: ignore[arg-type]
+            return
+        on_phase, close = phase_bar(phases=4)  # base model, engine, trainer, checkpoint: minutes on a GPU
+        try:
+            await self.loop.run(self._runtime.register(model, on_phase))  # type: ignore[arg-type]
+        finally:
+            close()
 
     def choices(self, model: ModelRef) -> dict[str, str]:
         """What was chosen automatically for `model` (engine, trainer, dtype, threads...) and why."""

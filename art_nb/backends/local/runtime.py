@@ -27,6 +27,7 @@ from ...web import is_loopback
 from . import step as train_step
 from .commit import settle
 from .loop import BackgroundLoop
+from .phases import PhaseCallback, PhaseClock
 from .state import ModelState
 
 if TYPE_CHECKING:
@@ -159,8 +160,12 @@ class Runtime:
         if key not in self.logged:
             self.logged[key] = ModelStore(self.path, model.project, model.name)
 
-    async def register(self, model: TrainableModelRef) -> dict[str, str]:
-        """Load `model` once, however many registers of it run at once; reuse it afterwards."""
+    def registered(self, model: ModelRef) -> bool:
+        return (model.project, model.name) in self.models
+
+    async def register(self, model: TrainableModelRef, on_phase: PhaseCallback | None = None) -> dict[str, str]:
+        """Load `model` once, however many registers of it run at once; reuse it afterwards.
+        `on_phase(name)` is called as each loading phase starts (phases.py)."""
         await self.ensure_server()
         key = (model.project, model.name)
         async with self._registering.setdefault(key, asyncio.Lock()):
@@ -176,7 +181,7 @@ class Runtime:
                         await self._replace_engine(state)
                 return state.choices
             async with loading_alone():
-                state = await self._load(model)
+                state = await self._load(model, PhaseClock(on_phase))
             self.models[key] = state
             return state.choices
 
@@ -204,13 +209,14 @@ class Runtime:
                 await engine.load_adapter(state.adapter_name(state.step), state.store.checkpoint_dir(state.step))
                 state.loaded_adapters.add(state.step)
 
-    async def _load(self, model: TrainableModelRef) -> ModelState:
+    async def _load(self, model: TrainableModelRef, clock: PhaseClock) -> ModelState:
         from ...models import resolve_base_model
         from ...plan import plan_for
 
         store = ModelStore(self.path, model.project, model.name)
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
         try:
+            clock.start("base model")
             resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
             plan = plan_for(model.backend_config)
             choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
@@ -219,8 +225,10 @@ class Runtime:
             engine_key = (str(resolved.path), plan.engine)
             engine = self.engines.get(engine_key)
             if engine is None:
+                clock.start(f"engine ({plan.engine})")
                 engine = await _create_engine(plan, resolved.path, model.backend_config)
                 self.engines[engine_key] = engine
+            clock.start(f"trainer ({plan.trainer})")
             trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.backend_config)
         except BaseException:
             store.release_writer()
@@ -229,8 +237,10 @@ class Runtime:
         step = store.latest_step()
         if step is None:  # a new model: its fresh LoRA is checkpoint 0, so resume always has a start
             step = 0
+            clock.start("checkpoint 0")
             await asyncio.to_thread(store.write_checkpoint, 0, trainer.save, {"base_model": model.base_model})
         else:
+            clock.start(f"resume from step {step}")
             await asyncio.to_thread(trainer.load, store.checkpoint_dir(step))
             choices["resume"] = f"resumed at step {step} from {store.checkpoint_dir(step)} (optimizer state included)"
             _log.info("resume: %s", choices["resume"])
@@ -239,6 +249,8 @@ class Runtime:
         if step > 0:
             await engine.load_adapter(state.adapter_name(step), store.checkpoint_dir(step))
             state.loaded_adapters.add(step)
+        choices["startup"] = clock.finish()
+        _log.info("startup: %s", choices["startup"])
         return state
 
     # ---- what the backend facade forwards -------------------------------------------------------
