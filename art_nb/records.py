@@ -16,8 +16,12 @@ from . import events
 from .store import ModelStore
 from .trajectory import Choice, Trajectory, TrajectoryGroup
 
-__all__ = ["as_groups", "best_step", "mean_and_std", "record_groups", "record_metrics", "summarize", "trajectory_record",
-           "unrecorded"]
+__all__ = ["UNTRAINABLE_FIX", "as_groups", "best_step", "check_trainable", "has_choice", "mean_and_std", "record_groups",
+           "record_metrics", "summarize", "trajectory_record", "unrecorded"]
+
+UNTRAINABLE_FIX = "keep the Choice the endpoint returned in messages_and_choices"
+"""How to fix a trajectory with 0 trainable tokens: only a `Choice` carries sampled tokens; an
+assistant turn stored as a message dict (`{"role": "assistant", "content": ...}`) is prompt text."""
 
 
 def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
@@ -104,6 +108,35 @@ def record_groups(store: ModelStore, model_name: str, split: str, step: int, gro
         group._recorded.add(where)
     events.emit("log", model=model_name, step=step, split=split, metrics=summary)
     return summary
+
+
+def has_choice(trajectory: Trajectory) -> bool:
+    """Whether any conversation of `trajectory` (the main one or an additional history) holds a Choice:
+    without one it has no sampled token, so nothing of it can be trained."""
+    return any(isinstance(item, Choice) for history in [trajectory, *trajectory.additional_histories]
+               for item in history.messages_and_choices)
+
+
+def check_trainable(groups: list[TrajectoryGroup]) -> int:
+    """The number of trajectories with 0 trainable tokens because they hold no Choice.
+
+    Raises ValueError when that leaves the step nothing to train: no trajectory holds a Choice, or
+    none does in the groups whose rewards differ (the only ones GRPO learns from). Such a step used
+    to "succeed", write a checkpoint and change nothing. A step whose groups all scored the same is
+    a normal no-op and is not refused here.
+    """
+    trajectories = [t for g in groups for t in g.trajectories]
+    untrainable = sum(not has_choice(t) for t in trajectories)
+    signal = [t for g in groups if len(set(g.rewards())) > 1 for t in g.trajectories]
+    if trajectories and (untrainable == len(trajectories) or (signal and not any(map(has_choice, signal)))):
+        where = "" if untrainable == len(trajectories) else " of the groups whose rewards differ"
+        raise ValueError(
+            f"0 trainable tokens: no trajectory{where} holds a Choice ({untrainable} of {len(trajectories)} have "
+            f"none), so this step would train nothing; nothing was trained or saved. {UNTRAINABLE_FIX[0].upper()}"
+            f"{UNTRAINABLE_FIX[1:]} (messages_and_choices.append(completion.choices[0])), not an assistant "
+            "message dict built from its text: a dict is prompt context, only a Choice carries the sampled tokens"
+        )
+    return untrainable
 
 
 def unrecorded(metrics: dict[str, float], recorded: dict[str, float]) -> dict[str, float]:

@@ -238,6 +238,11 @@ class Dashboard:
             r = trained[-1]
             facts.append(f"zero-variance groups at step {r.step}: <b>{r.zero_variance_groups}/{r.total_groups}</b> "
                          "<span style='opacity:.7'>(every rollout scored the same: nothing to learn from)</span>")
+        warned = [r for r in snap.ordered() if r.warning()]
+        if warned:
+            r = warned[-1]
+            facts.append(f"<span style='color:#b45309' class='art-nb-untrainable'>step {r.step}: "
+                         f"<b>{html.escape(r.warning() or '')}</b></span>")
         exceptions = sum(int(r.rollout_metrics.get("exceptions", 0)) for r in snap.ordered())
         live = int((progress or {}).get("exceptions") or 0)
         facts.append(f"rollout exceptions: <b>{exceptions + live}</b>")

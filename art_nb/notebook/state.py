@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..records import UNTRAINABLE_FIX
+
 __all__ = ["TIMING_PARTS", "TRAINER_PREFIX", "RunState", "StepRecord"]
 
 TRAINER_PREFIX = "trainer/"
@@ -69,6 +71,18 @@ class StepRecord:
     def zero_variance_groups(self) -> int | None:
         value = self.train_metrics.get("zero_variance_groups")
         return None if value is None else int(value)
+
+    @property
+    def untrainable(self) -> int:
+        """Trajectories of this step with 0 trainable tokens (no Choice: their turns were stored as dicts)."""
+        return int(self.train_metrics.get("untrainable_trajectories") or 0)
+
+    def warning(self) -> str | None:
+        """What to tell the user about this step's update, or None when nothing is amiss."""
+        if not self.untrainable:
+            return None
+        return (f"{self.untrainable} trajector{'y' if self.untrainable == 1 else 'ies'} with 0 trainable tokens: "
+                f"{UNTRAINABLE_FIX}")
 
     @property
     def total_groups(self) -> int | None:
@@ -240,6 +254,7 @@ class RunState:
                 f"{r.step:>5} {_fmt(r.reward, 8)} {_fmt(r.reward_min, 7)} {_fmt(r.reward_max, 7)} {zero:>8} "
                 f"{int(r.rollout_metrics.get('exceptions', 0)):>4} {_fmt(t.get('rollout'), 8, 's')} "
                 f"{_fmt(t.get('time/train'), 7, 's')} {_fmt(t.get('time/save'), 6, 's')}"
+                + (f"  ! {r.warning()}" if r.warning() else "")
             )
         for step, metrics in sorted(self.evals.items()):
             base = " (the base model)" if step == 0 else ""

@@ -60,6 +60,9 @@ class TrainingSummary:
             zero = "" if row.get("zero_variance_groups") is None else f"{row['zero_variance_groups']}/{row['groups']}"
             lines.append(f"| {row['step']} | {_f(row['reward'])} | {_f(row['reward_min'])} | {_f(row['reward_max'])} "
                          f"| {zero} | {row.get('exceptions', 0)} | {_f(sum(row['seconds'].values()) or None, 1)} |")
+        warnings = [f"- step {row['step']}: {row['warning']}" for row in self.steps if row.get("warning")]
+        if warnings:
+            lines += ["", "**Warnings**", *warnings]
         for step, metrics in sorted(self.evals.items()):
             base = " (the base model)" if step == 0 else ""
             lines.append(f"\nEvaluation at step {step}{base}: reward {_f(metrics.get('reward'))}")
@@ -96,6 +99,8 @@ def summarize(state: RunState, title: str | None = None, metric: str | None = No
             "groups": record.total_groups,
             "exceptions": int(record.rollout_metrics.get("exceptions", 0)),
             "trained": record.trained,
+            "untrainable_trajectories": record.untrainable,
+            "warning": record.warning(),
             "metrics": dict(record.rollout_metrics),
             "train_metrics": {k: v for k, v in record.train_metrics.items() if not k.startswith("time/")},
             "seconds": record.timings(),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import events
 from ...config import TrainConfig
-from ...records import record_groups, record_metrics
+from ...records import UNTRAINABLE_FIX, check_trainable, record_groups, record_metrics
 from ...trajectory import TrajectoryGroup
 from ...types import LocalTrainResult, ProgressCallback, TrainResult
 from .commit import settle, start_commit
@@ -35,19 +35,28 @@ _log = logging.getLogger("art_nb")
 
 async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryGroup], config: TrainConfig,
                 on_progress: ProgressCallback | None) -> TrainResult:
-    """One GRPO step on `groups`; returns once the new adapter is served (its checkpoint finishes later)."""
+    """One GRPO step on `groups`; returns once the new adapter is served (its checkpoint finishes later).
+
+    A step with nothing to train because its trajectories hold no Choice is refused (ValueError)
+    before anything is recorded or saved; a step where only some lack one trains the rest and
+    records how many in `untrainable_trajectories`, with a warning.
+    """
+    untrainable = check_trainable(groups)
     async with state.train_lock:
         started = time.perf_counter()
         await settle(state, gate)  # the previous step's checkpoint, finished in the background
-        settled: dict[str, float] = {}
+        reported: dict[str, float] = {"untrainable_trajectories": float(untrainable)}
+        if untrainable:
+            _log.warning("step %d: %d of %d trajectories have 0 trainable tokens (no Choice): %s; the rest train",
+                         state.step, untrainable, sum(len(g.trajectories) for g in groups), UNTRAINABLE_FIX)
         if state.commit_seconds is not None:  # reported with the step after it
-            settled = {"time/commit_previous": state.commit_seconds, "time/commit_wait": time.perf_counter() - started}
+            reported |= {"time/commit_previous": state.commit_seconds, "time/commit_wait": time.perf_counter() - started}
             state.commit_seconds = None
         await asyncio.to_thread(functools.partial(record_groups, skip_recorded=False), state.store,
                                 state.model_name, "train", state.step, groups)
         control = StepControl()
         update = asyncio.ensure_future(
-            _update(state, gate, groups, config, control, _guarded(on_progress), settled, started))
+            _update(state, gate, groups, config, control, _guarded(on_progress), reported, started))
         try:
             result = await asyncio.shield(update)
         except asyncio.CancelledError:
