@@ -635,16 +635,14 @@ def _() -> None:
 
 # ---- not built yet: import works, use names what is missing --------------------------------------------
 
-@check("ruler_score_group(...) raises a clear error naming RULER")
+@check("ruler_score_group(group, judge_model, ...) with ART's signature")
 def _() -> None:
-    from art_nb.rewards import ruler_score_group
+    from art_nb.rewards import DEFAULT_RUBRIC, ruler, ruler_score_group
 
-    try:
-        run(ruler_score_group(art.TrajectoryGroup([]), "openai/o4-mini"))
-    except NotImplementedError as error:
-        assert "RULER" in str(error)
-        return
-    raise AssertionError("expected NotImplementedError")
+    accepts(ruler, [], "openai/o3", None, DEFAULT_RUBRIC, None, debug=False)
+    accepts(ruler_score_group, art.TrajectoryGroup([]), "openai/o4-mini", {}, None, swallow_exceptions=True,
+            debug=True)
+    assert len(run(ruler_score_group(art.TrajectoryGroup([]), "openai/o4-mini"))) == 0
 
 
 @check("art.langgraph.init_chat_model(...) raises a clear error")

@@ -177,8 +177,8 @@ def test_rewards_mcp_langgraph_import_and_name_what_is_missing():
 
     from art_nb import langgraph, mcp, rewards
 
-    with pytest.raises(NotImplementedError, match="RULER"):
-        asyncio.run(rewards.ruler_score_group(art.TrajectoryGroup([]), "openai/o4-mini", swallow_exceptions=True))
+    # RULER is built (tests/unit/test_ruler.py): an empty group needs no judge.
+    assert len(asyncio.run(rewards.ruler_score_group(art.TrajectoryGroup([]), "openai/o4-mini"))) == 0
     with pytest.raises(NotImplementedError, match="LangGraph"):
         langgraph.wrap_rollout(None, None)
     with pytest.raises(NotImplementedError, match="generate_scenarios"):
