@@ -34,6 +34,9 @@ from pydantic import (
     model_validator,
 )
 
+from .capture import CapturedCall
+from .capture import hooks as capture_hooks
+from .capture import scope as capture_scope
 from .messages import (
     Choice,
     MessageOrChoice,
@@ -83,6 +86,11 @@ class Trajectory(BaseModel):
 
     Fields and methods follow ART's (`log`, `finish`, `track_duration`, `for_logging`,
     `additional_histories`); subclasses may add fields of their own.
+
+    `with Trajectory() as t:` is a capture scope (ART's): the model calls made inside are recorded
+    into `t.exchanges` with the server's token ids (art_nb.capture), and trained on exactly those
+    (art_nb.grpo.captured). Leaving the scope records the duration and adds `t` to the enclosing
+    `with TrajectoryGroup()` if there is one.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid", validate_assignment=True)
@@ -90,6 +98,7 @@ class Trajectory(BaseModel):
     messages_and_choices: list[MessageOrChoice] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     additional_histories: list[History] = Field(default_factory=list)
+    exchanges: list[CapturedCall] = Field(default_factory=list)  # calls captured inside `with t:`
     reward: float = 0.0
     initial_policy_version: int | None = None
     final_policy_version: int | None = None
@@ -113,11 +122,24 @@ class Trajectory(BaseModel):
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> Trajectory:
         check_tool_ids(self.messages())
+        if self.exchanges and (self.messages_and_choices or self.additional_histories):
+            raise ValueError("a trajectory holds either captured calls (exchanges, from `with Trajectory()`) or "
+                             "messages_and_choices/additional_histories, not both: the same model calls would be "
+                             "trained twice; build it one way")
         return self
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as plain dicts (Choices turned into assistant messages)."""
         return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+
+    def __enter__(self) -> Self:
+        capture_hooks.install()  # once per HTTP library, for those imported by now
+        capture_scope.enter(self, self.exchanges)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        capture_scope.exit(self)
+        self.finish()
 
     def choices(self) -> list[Choice]:
         return [m for m in self.messages_and_choices if isinstance(m, Choice)]
@@ -249,6 +271,14 @@ class TrajectoryGroup(BaseModel):
 
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+    def __enter__(self) -> Self:
+        """`with TrajectoryGroup() as g:` collects the trajectory scopes that close inside it (ART's)."""
+        capture_scope.enter_group(self, self.trajectories)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        capture_scope.exit_group(self)
 
     def log(self, message: str) -> None:
         self.logs.append(message)

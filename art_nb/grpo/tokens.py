@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..trajectory import Choice, History, Trajectory, template_message
+from .captured import captured_sequence
 
 __all__ = ["TokenizedTrajectory", "sampled_token_ids", "tokenize_trajectory"]
 
@@ -69,11 +70,18 @@ def sampled_token_ids(choice: Choice) -> list[int] | None:
 
 def tokenize_trajectory(tokenizer: Any, trajectory: Trajectory | History, max_seq_len: int) -> TokenizedTrajectory:
     """Token ids, trainable mask and engine logprobs for one conversation (see module docstring): a
-    trajectory's main one, or one of its `additional_histories`.
+    trajectory's main one, or one of its `additional_histories`. A trajectory of captured calls
+    (`with Trajectory()`, `art.trajectory(...)`) takes the exact path of `grpo.captured`.
 
     A trajectory without a Choice yields its prompt tokens with nothing trainable; the caller
     counts and skips it. Sequences longer than `max_seq_len` are cut and marked `truncated`.
     """
+    if isinstance(trajectory, Trajectory) and trajectory.exchanges:  # the server's ids, no re-rendering
+        seq = captured_sequence(tokenizer, trajectory.exchanges)
+        return TokenizedTrajectory(
+            input_ids=seq.input_ids[:max_seq_len], assistant_mask=seq.assistant_mask[:max_seq_len],
+            engine_logprobs=seq.engine_logprobs[:max_seq_len], truncated=len(seq.input_ids) > max_seq_len,
+            template_fallbacks=seq.realigned)
     items = trajectory.messages_and_choices
     messages = trajectory.messages()
     walk = _Walk(tokenizer, trajectory.tools)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible ASGI app over a backend's engines: GET /v1/models and
-POST /v1/chat/completions.
+POST /v1/chat/completions (`stream=True` too: server/stream.py).
 
 The backend provides a `ModelRegistry` (which engine and adapter serve a model name) and its
 `InferenceGate`; each request resolves its model and runs the pipeline inside the gate, so a
@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..engines.base import Engine, Sample
@@ -34,6 +34,7 @@ from ..web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_j
 from .gate import InferenceGate
 from .pipeline import completion, generate, render_prompt, sampling_params
 from .schema import ChatCompletionRequest, validation_error
+from .stream import sse_events, stream_chunks
 
 __all__ = ["CHAT_MAX_BODY", "ModelRegistry", "ServedModel", "create_app"]
 
@@ -76,7 +77,7 @@ def create_app(
                 for name in registry.list_models()]
         return JSONResponse({"object": "list", "data": data})
 
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         body = await read_json(request)
         try:
             req = ChatCompletionRequest.model_validate(body)
@@ -105,7 +106,11 @@ def create_app(
                 return served, prompt_ids, await generate(engine, served.adapter, prompt_ids, params)
 
         served, prompt_ids, samples = await _unless_disconnected(request, serve())
-        return JSONResponse(completion(served.name, prompt_ids, samples, req, served.engine.tokenizer))
+        body = completion(served.name, prompt_ids, samples, req, served.engine.tokenizer)
+        if req.stream:  # generated whole, sent as chunks (server/stream.py)
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(sse_events(stream_chunks(body, usage)), media_type="text/event-stream")
+        return JSONResponse(body)
 
     return Starlette(
         routes=[

@@ -4,7 +4,10 @@ parse tool calls, and answer in the ChatCompletion format plus what training nee
 
 - every choice carries `token_ids`, the completion ids exactly as sampled (EOS included when the
   engine sampled it), and the response carries `prompt_token_ids`;
-- `logprobs.content[*].logprob` are the engine's temperature-1 logprobs of those ids.
+- `logprobs.content[*].logprob` are the engine's temperature-1 logprobs of those ids;
+- every choice also carries `token_logprobs`, those logprobs as a plain list, whether or not the
+  request asked for `logprobs`: capture (`art_nb.capture`) records calls made by code that never
+  asks, and training needs them.
 
 Stop strings are applied here, on the decoded text: the content is cut *before* the first stop
 string, but `token_ids` keep everything sampled up to and including the token that completed it,
@@ -132,6 +135,7 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
         "finish_reason": finish_reason,
         "logprobs": None,
         "token_ids": ids,
+        "token_logprobs": [max(lp, _MIN_LOGPROB) for lp in logprobs],  # JSON has no -inf
     }
     if req.logprobs:
         texts = _token_texts(tokenizer)

@@ -1,7 +1,7 @@
 """The body of POST /v1/chat/completions, validated at the door.
 
 Every field the endpoint cannot honour faithfully is refused with a 400 that says what to send
-instead (streaming, `top_logprobs > 0`, `min_tokens > 0`, `tool_choice` other than "auto"/"none",
+instead (`top_logprobs > 0`, `min_tokens > 0`, `tool_choice` other than "auto"/"none",
 penalties, non-text content parts), rather than accepted and silently ignored: a rollout that
 asked for them would otherwise train on samples it did not mean to draw.
 """
@@ -78,7 +78,7 @@ class _Tool(BaseModel):
 
 class ChatCompletionRequest(BaseModel):
     """The body of POST /v1/chat/completions. Unknown fields are ignored, as OpenAI clients send
-    several (user, metadata, store, stream_options) that do not change what is sampled."""
+    several (user, metadata, store) that do not change what is sampled."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -97,6 +97,7 @@ class ChatCompletionRequest(BaseModel):
     tools: list[_Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None  # {"include_usage": true} adds a usage chunk
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = None
@@ -139,13 +140,6 @@ class ChatCompletionRequest(BaseModel):
     def _tool_choice(cls, value: Any) -> Any:
         if value not in (None, "auto", "none"):
             raise ValueError('only "auto" and "none" are supported; describe the tool to call in the prompt')
-        return value
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("streaming is not supported yet; call without stream=True")
         return value
 
     @field_validator("min_tokens")

@@ -105,6 +105,7 @@ LAYERS = {
     "art_nb._version": 0, "art_nb.types": 0, "art_nb.config": 0, "art_nb.events": 0, "art_nb.secrets": 0,
     "art_nb.trajectory": 0, "art_nb.store": 0, "art_nb.records": 0, "art_nb.gather": 0, "art_nb.grpo": 0,
     "art_nb.messages": 0, "art_nb.utils": 0, "art_nb.dev": 0, "art_nb.porting": 0, "art_nb.trajectories": 0,
+    "art_nb.capture": 0, "art_nb.scopes": 0,
     "art_nb.sft_config": 0,
     "art_nb.backends.base": 1, "art_nb.model": 1, "art_nb.reporting": 1,
     "art_nb.engines": 2, "art_nb.trainers": 2, "art_nb.server": 2, "art_nb.toolcalls": 2, "art_nb.web": 2,

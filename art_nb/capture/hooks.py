@@ -1,0 +1,37 @@
+"""Install the HTTP hooks: once per library, and only for libraries the process has imported.
+
+Called whenever a scope opens, so a library imported after the first scope is hooked at the next.
+The patches wrap the libraries' own methods and change nothing they send or return; a response
+that is not a chat completion from art_nb's endpoint is not even buffered.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["install", "installed"]
+
+_done: set[str] = set()
+
+
+def install() -> None:
+    if "httpx" in sys.modules and "httpx" not in _done:
+        from . import hook_httpx
+
+        hook_httpx.install()
+        _done.add("httpx")
+    if "requests" in sys.modules and "requests" not in _done:
+        from . import hook_requests
+
+        hook_requests.install()
+        _done.add("requests")
+    if "aiohttp" in sys.modules and "aiohttp" not in _done:
+        from . import hook_aiohttp
+
+        hook_aiohttp.install()
+        _done.add("aiohttp")
+
+
+def installed() -> set[str]:
+    """The libraries hooked so far."""
+    return set(_done)
