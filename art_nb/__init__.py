@@ -2,6 +2,8 @@
 
 ART's public names are here under the same spelling (`import art_nb as art` ports ART code), and
 ART's submodules too (`art_nb.dev`, `art_nb.utils`, `art_nb.local`, `art_nb.rewards`...).
+`art_nb.trajectory` is ART's capture function (`await art.trajectory(rollout(...))`), not the
+module of that name: import from the module as `from art_nb.trajectory import ...`.
 Importing this package loads no torch, vLLM, Unsloth or ipywidgets: engines and trainers load
 when a backend first needs them.
 """
@@ -25,6 +27,7 @@ from .gather import (
     retry,
 )
 from .model import Model, TrainableModel
+from .scopes import current_trajectory, current_trajectory_group, no_capture, trajectory, trajectory_group
 from .trajectory import History, Trajectory, TrajectoryGroup
 from .types import LocalTrainResult, Messages, MessagesAndChoices, Tools, TrainResult
 
@@ -55,12 +58,17 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "__version__",
+    "current_trajectory",
+    "current_trajectory_group",
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "iterate_dataset",
     "limit_concurrency",
+    "no_capture",
     "retry",
+    "trajectory",
+    "trajectory_group",
     "utils",
 ]
 
