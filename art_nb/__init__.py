@@ -16,7 +16,6 @@ from . import dev, utils
 from ._version import __version__
 from .backends.base import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
-from .dev import TrainSFTConfig
 from .gather import (
     DatasetBatch,
     TooManyExceptionsError,
@@ -28,6 +27,7 @@ from .gather import (
 )
 from .model import Model, TrainableModel
 from .scopes import current_trajectory, current_trajectory_group, no_capture, trajectory, trajectory_group
+from .sft_config import TrainSFTConfig
 from .trajectory import History, Trajectory, TrajectoryGroup
 from .types import LocalTrainResult, Messages, MessagesAndChoices, Tools, TrainResult
 

@@ -18,6 +18,7 @@ __all__ = [
     "LoRAConfig",
     "OpenAIServerConfig",
     "PeftArgs",
+    "SFTMetricLoggingConfig",
     "ServerArgs",
     "TinkerArgs",
     "TinkerTrainingClientArgs",
@@ -142,11 +143,18 @@ class TrainConfig(TypedDict, total=False):
     truncated_importance_sampling: float | None
 
 
-class TrainSFTConfig(TypedDict, total=False):
-    """ART's experimental SFT knobs (SFT is not built in art_nb yet)."""
+class SFTMetricLoggingConfig(TypedDict, total=False):
+    """ART's switch for per-batch SFT metrics; art_nb records them on every call (history split "sft")."""
 
-    learning_rate: float
-    batch_size: int
+    enabled: bool
+    target_training_step: int
+
+
+class TrainSFTConfig(TypedDict, total=False):
+    """ART's experimental SFT knobs (`model.train_sft(..., _config=...)`); the public ones are
+    `art_nb.TrainSFTConfig`'s (learning_rate, batch_size, assistant_turns)."""
+
+    metric_logging: SFTMetricLoggingConfig
 
 
 class ServerArgs(TypedDict, total=False):
