@@ -16,6 +16,7 @@ from . import dev, utils
 from ._version import __version__
 from .backends.base import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
+from .datasets_io import trajectories_dataset
 from .gather import (
     DatasetBatch,
     TooManyExceptionsError,
@@ -67,6 +68,7 @@ __all__ = [
     "limit_concurrency",
     "no_capture",
     "retry",
+    "trajectories_dataset",
     "trajectory",
     "trajectory_group",
     "utils",
