@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..config import TrainConfig
-from ..trajectory import TrajectoryGroup
+from ..sft_config import TrainSFTConfig
+from ..trajectory import Trajectory, TrajectoryGroup
 from ..types import ProgressCallback
 
 __all__ = ["Trainer"]
@@ -32,6 +33,19 @@ class Trainer(Protocol):
         `should_stop()` is polled between microbatches (True abandons the step before the optimizer
         steps); `on_progress` gets {"phase": "train", "done": k, "total": n} after each microbatch,
         from the trainer's thread.
+        """
+        ...
+
+    def sft_step(self, trajectories: list[Trajectory], config: TrainSFTConfig,
+                 should_stop: Callable[[], bool] | None = None,
+                 on_progress: ProgressCallback | None = None) -> dict[str, float]:
+        """Supervised fine-tuning on demonstrations: one optimizer step per batch of
+        `config.resolved_batch_size` (art_nb.grpo.sft). Returns the call's metrics (per-batch means,
+        token and trajectory sums); `skipped_nonfinite` = 1 when no batch was applied.
+
+        `should_stop()` True abandons the call only while no batch has stepped (`stopped` = 1); after
+        that it ends early and what was trained is kept (`stopped_early` = 1). `on_progress` gets
+        {"phase": "sft", "done": k, "total": n, **batch metrics} after each batch.
         """
         ...
 

@@ -41,8 +41,9 @@ from ..config import ModelConfig, TrainConfig, default_microbatch_tokens
 from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
 from ..plan import Plan, plan_for
+from ..sft_config import TrainSFTConfig
 from ..store import TRAINER_STATE, CheckpointError
-from ..trajectory import TrajectoryGroup
+from ..trajectory import Trajectory, TrajectoryGroup
 from ..types import ProgressCallback
 
 __all__ = ["PeftTrainer"]
@@ -70,6 +71,7 @@ class PeftTrainer:
         self.model.train()
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_optimizer_state: dict[str, Any] | None = None
+        self._sft_optimizer: torch.optim.Optimizer | None = None  # SFT's own AdamW moments (sft_step)
 
     def _build_model(self, model_path: Path, dtype: torch.dtype) -> Any:
         """The base model wrapped with a fresh LoRA; subclasses (Unsloth) build it their way."""
@@ -155,6 +157,46 @@ class PeftTrainer:
             metrics["skipped_nonfinite"] = 1.0
         return metrics
 
+    def sft_step(self, trajectories: list[Trajectory], config: TrainSFTConfig,
+                 should_stop: Callable[[], bool] | None = None,
+                 on_progress: ProgressCallback | None = None) -> dict[str, float]:
+        """Supervised fine-tuning (see `Trainer.sft_step`), on the same LoRA as the GRPO steps.
+
+        SFT has its own AdamW: GRPO's moments (in the checkpoint) are neither fed SFT gradients nor
+        reset, much as ART resets the optimizer when training switches between SFT and RL. SFT's
+        moments live in memory for later `train_sft` calls and are not checkpointed.
+        """
+        from ..grpo.sft import prepare_sft_batches, sft_step
+
+        batches = prepare_sft_batches(trajectories, self.tokenizer, config, self.config.max_seq_len)
+        if self._sft_optimizer is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self._sft_optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=config.weight_decay)
+        self.model.train()
+        rows: list[dict[str, float]] = []
+        try:
+            for done, batch in enumerate(batches, start=1):
+                row = sft_step(self.model, self._sft_optimizer, batch, config, device=self.device,
+                               microbatch_tokens=default_microbatch_tokens(self.device),
+                               logprob_chunk_tokens=TrainConfig().logprob_chunk_tokens, should_stop=should_stop)
+                if row["stopped"]:
+                    break
+                rows.append(row)
+                if on_progress is not None:
+                    on_progress({"phase": "sft", "done": done, "total": len(batches), **row})
+        finally:
+            if self.device != "cpu":
+                gc.collect()
+                torch.cuda.empty_cache()
+        metrics = _sft_summary(rows, batches)
+        if metrics["stopped"] or metrics["skipped_nonfinite"]:
+            return metrics
+        bad = self._nonfinite_weight()
+        if bad is not None:
+            _log.warning("the SFT update left non-finite values in %s", bad)
+            metrics.update(nonfinite_weights=1.0, skipped_nonfinite=1.0)
+        return metrics
+
     def _nonfinite_weight(self) -> str | None:
         """The name of a trainable parameter holding NaN/inf, or None (one device sync, not one per tensor)."""
         named = [(name, param) for name, param in self.model.named_parameters() if param.requires_grad]
@@ -221,6 +263,28 @@ class PeftTrainer:
             if state.get("python_rng") is not None:
                 python_rng = state["python_rng"]
                 random.setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
+
+
+def _sft_summary(rows: list[dict[str, float]], batches: list[Any]) -> dict[str, float]:
+    """One SFT call's metrics: per-batch means (loss, grad_norm, learning_rate) over the batches that
+    stepped, sums of tokens and trajectories, and what was left out."""
+    applied = [r for r in rows if r["tokens_trained"] > 0]
+    mean = {key: sum(r[key] for r in applied) / len(applied) if applied else 0.0
+            for key in ("loss", "grad_norm", "learning_rate")}
+    with_labels = sum(1 for b in batches if b.items)
+    broke = len(rows) < len(batches)  # should_stop ended the call
+    return {
+        **mean,
+        "tokens_trained": sum(r["tokens_trained"] for r in rows),
+        "trajectories": float(sum(len(b.items) for b in batches)),
+        "sft_batches": float(len(applied)),
+        "dropped_too_long": float(sum(b.dropped_too_long for b in batches)),
+        "without_labels": float(sum(b.without_labels for b in batches)),
+        "skipped_nonfinite_batches": float(sum(r["skipped_nonfinite"] for r in rows)),
+        "skipped_nonfinite": float(with_labels > 0 and not applied and not broke),
+        "stopped": float(broke and not applied),
+        "stopped_early": float(broke and bool(applied)),
+    }
 
 
 def _to_cpu(state: Any) -> Any:
