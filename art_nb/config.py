@@ -64,16 +64,44 @@ class TrainConfig(BaseModel):
     ART's defaults: learning rate 5e-6 and the CISPO loss; `epsilon`/`epsilon_high` default by loss
     as in ART (PPO: 0.2 and `epsilon`; CISPO: 1.0 and 4.0). art_nb's own demo and notebooks pass
     what they were tuned with (`loss="ppo"` and their learning rate) explicitly.
+
+    The loss menu (art_nb/grpo/losses.py says what each one computes): "cispo" (ART's default),
+    "ppo" (TRL's "grpo"), "dapo" (token mean over the batch, clip-higher 0.28), "dr_grpo" (no length
+    normalisation, advantages not divided by the std unless `scale_rewards` is set), "gspo"
+    (sequence-level ratio, epsilon 3e-4 / 4e-4 as in the GSPO paper). The engine/trainer mismatch
+    correction and truncated-completion masking follow TRL's `GRPOConfig` (names without "vllm_").
     """
 
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = Field(5e-6, gt=0, le=1)
-    loss: Literal["ppo", "cispo"] = "cispo"
+    loss: Literal["cispo", "ppo", "dapo", "dr_grpo", "gspo"] = "cispo"
     epsilon: float | None = Field(
-        None, gt=0, description="clip below 1 - epsilon (PPO: above 1 + epsilon too); None: 0.2 for PPO, 1.0 for CISPO")
+        None, gt=0, description="clip below 1 - epsilon (PPO: above 1 + epsilon too); None: 1.0 for CISPO, "
+        "3e-4 for GSPO, 0.2 for the others")
     epsilon_high: float | None = Field(
-        None, gt=0, description="clip above 1 + epsilon_high (DAPO 'clip higher'); None: epsilon for PPO, 4.0 for CISPO")
+        None, gt=0, description="clip above 1 + epsilon_high (DAPO 'clip higher'); None: 4.0 for CISPO, 0.28 for "
+        "DAPO, 4e-4 for GSPO, epsilon for the others")
+    importance_sampling_level: Literal["token", "sequence"] | None = Field(
+        None, description="the policy ratio per token, or one per trajectory (GSPO); None: 'sequence' for gspo, "
+        "'token' otherwise")
+    max_completion_length: int | None = Field(
+        None, ge=1, description="dr_grpo's constant: each trajectory's summed token loss is divided by it; None: "
+        "the model's max_seq_len")
+    importance_sampling_correction: bool = Field(
+        True, description="weigh each token by pi_trainer / pi_engine (detached, bounded) where the engine sent "
+        "logprobs, with the trainer's own logprobs as the old policy; False: the engine's logprobs are the old "
+        "policy (ART's way) and only the loss's clip bounds the mismatch")
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate", description="bound per token or per trajectory (the product over its tokens); "
+        "truncate = clamp to the bounds, mask = weight 0 outside them")
+    importance_sampling_cap: float | None = Field(
+        3.0, gt=0, allow_inf_nan=False, description="upper bound of the mismatch weight (TRL's clip_max); None: none")
+    importance_sampling_floor: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="lower bound of the mismatch weight (TRL's clip_min); None: none")
+    mask_truncated_completions: bool = Field(
+        False, description="leave out of the loss a trajectory whose last completion stopped at the token limit "
+        "(finish_reason 'length') or that max_seq_len cut (DAPO's overlong filtering)")
     kl_penalty_coef: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description="weight of a KL penalty to the base model (the LoRA disabled); 0 computes none")
@@ -99,9 +127,23 @@ class TrainConfig(BaseModel):
         # to __dict__, not assigned: a default is not the user's choice, so it stays out of
         # model_fields_set and a copy made for another loss (art_nb.porting) gets that loss's default.
         if self.epsilon is None:
-            self.__dict__["epsilon"] = 0.2 if self.loss == "ppo" else 1.0
-        if self.epsilon_high is None and self.loss == "cispo":
-            self.__dict__["epsilon_high"] = 4.0
+            self.__dict__["epsilon"] = {"cispo": 1.0, "gspo": 3e-4}.get(self.loss, 0.2)
+        if self.epsilon_high is None and self.loss in ("cispo", "dapo", "gspo"):
+            self.__dict__["epsilon_high"] = {"cispo": 4.0, "dapo": 0.28, "gspo": 4e-4}[self.loss]
+        if self.importance_sampling_level is None:
+            self.__dict__["importance_sampling_level"] = "sequence" if self.loss == "gspo" else "token"
+        elif self.loss == "gspo" and self.importance_sampling_level != "sequence":
+            raise ValueError("loss='gspo' is the sequence-level ratio: leave importance_sampling_level unset, or use "
+                             "loss='ppo' for token-level ratios")
+        if self.loss == "dr_grpo" and "scale_rewards" not in self.model_fields_set:
+            self.__dict__["scale_rewards"] = False  # Dr. GRPO: the std's division is the question-level bias it removes
+        if (self.importance_sampling_cap is not None and self.importance_sampling_floor is not None
+                and self.importance_sampling_floor >= self.importance_sampling_cap):
+            raise ValueError(f"importance_sampling_floor={self.importance_sampling_floor} must be below "
+                             f"importance_sampling_cap={self.importance_sampling_cap}, e.g. floor 0.5 and cap 3.0")
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
+            raise ValueError(f"importance_sampling_cap={self.importance_sampling_cap} is below 1, so even tokens "
+                             "where engine and trainer agree would be cut; use a cap >= 1 (TRL's default is 3.0)")
         if self.grad_accumulation_sequences is not None:
             report_ignored({"grad_accumulation_sequences": "art_nb takes one optimizer step per batch; "
                             "set microbatch_tokens to bound memory"}, "TrainConfig")

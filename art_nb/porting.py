@@ -33,13 +33,28 @@ _TRAIN_FIELDS = {
     "grad_accumulation_sequences": "grad_accumulation_sequences",
     "max_grad_norm": "max_grad_norm",
     "weight_decay": "weight_decay",
+    "importance_sampling_level": "importance_sampling_level",
+    # TRL's GRPOConfig names, for code that passes them through
+    "loss_type": "loss",
+    "mask_truncated_completions": "mask_truncated_completions",
+    "max_completion_length": "max_completion_length",
+    "vllm_importance_sampling_correction": "importance_sampling_correction",
+    "vllm_importance_sampling_mode": "importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "importance_sampling_cap",
+    "vllm_importance_sampling_cap": "importance_sampling_cap",
+    "vllm_importance_sampling_clip_min": "importance_sampling_floor",
 }
+# TRL's loss names that are another name for one of ours: TRL's "grpo" is the per-trajectory mean of
+# the clip objective ("ppo" here); "bnpo" divides by the tokens of the local batch, and art_nb's
+# local batch is the whole batch (one optimizer step per batch, microbatches only bound memory).
+_LOSS_ALIASES = {"grpo": "ppo", "bnpo": "dapo"}
+_LOSSES = ("cispo", "ppo", "dapo", "dr_grpo", "gspo")
 # Arguments that change nothing here whatever their value: art_nb always trains without logprobs
 # where the endpoint sent none (re-tokenising), `verbose` only printed.
 _NO_EFFECT = {"allow_training_without_logprobs", "verbose"}
 # ART's value that asks for nothing: any other value is reported.
 _OFF = {
-    "advantage_balance": 0.0, "importance_sampling_level": "token", "mask_prob_ratio": False,
+    "advantage_balance": 0.0, "mask_prob_ratio": False, "normalize_by_length": True,
     "precalculate_logprobs": False, "plot_tensors": False, "scale_learning_rate_by_reward_std_dev": False,
     "num_trajectories_learning_rate_multiplier_power": 0.0, "save_checkpoint": True,
 }
@@ -55,8 +70,9 @@ def train_config(config: TrainConfig | None, kwargs: Mapping[str, Any], where: s
     """`config` (default: `TrainConfig()`, ART's defaults) with ART's train arguments applied.
 
     Fields the user set in `config` stay unless an argument sets them again; a default that
-    depends on the loss (epsilon) follows the loss finally chosen. Raises ValueError for a loss
-    other than "ppo" or "cispo", naming both.
+    depends on the loss (epsilon) follows the loss finally chosen. TRL's `GRPOConfig` names
+    (`loss_type`, `vllm_importance_sampling_*`, `mask_truncated_completions`) map too. Raises
+    ValueError for a loss or importance-sampling level art_nb does not have, naming those it has.
     """
     base = config if config is not None else TrainConfig()
     fields = base.model_dump(include=base.model_fields_set)
@@ -70,12 +86,25 @@ def train_config(config: TrainConfig | None, kwargs: Mapping[str, Any], where: s
                 fields["scale_rewards"] = False
         elif name == "ppo":
             fields["loss"] = "ppo" if value else "cispo"
+        elif name == "normalize_by_length" and value is False:
+            fields["loss"] = "dr_grpo"  # ART: "set to False for Dr. GRPO"
+        elif name == "truncated_importance_sampling" and value is not None:
+            # ART's cap on the sampling-time importance weight: the token_truncate correction at that cap
+            fields.update(importance_sampling_correction=True, importance_sampling_mode="token_truncate",
+                          importance_sampling_cap=value)
         elif name in _NO_EFFECT or value is None or (name in _OFF and value == _OFF[name]):
             continue
         else:
             ignored[name] = _WHY.get(name, "no equivalent in art_nb")
-    if fields.get("loss") not in (None, "ppo", "cispo"):
-        raise ValueError(f"{where}: loss_fn={fields['loss']!r} is not available; use 'cispo' (ART's default) or 'ppo'")
+    loss = fields.get("loss")
+    if loss is not None:
+        fields["loss"] = loss = _LOSS_ALIASES.get(loss, loss)
+        if loss not in _LOSSES:
+            raise ValueError(f"{where}: loss_fn={loss!r} is not available; use 'cispo' (ART's default), 'ppo' "
+                             "(TRL's 'grpo'), 'dapo', 'dr_grpo' or 'gspo'")
+    level = fields.get("importance_sampling_level")
+    if level not in (None, "token", "sequence"):
+        raise ValueError(f"{where}: importance_sampling_level={level!r} is not available; use 'token' or 'sequence'")
     report_ignored(ignored, where)
     return TrainConfig.model_validate(fields)
 

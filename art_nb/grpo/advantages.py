@@ -10,6 +10,11 @@ advantages are zero, so it is skipped before anything is tokenised, and counted.
 no trajectories at all (every rollout of it failed), a trajectory with nothing to train on (no
 Choice, or cut off before it by `max_seq_len`), a truncated sequence, and each Choice that had to
 be re-tokenised because the endpoint sent no token ids.
+
+With `TrainConfig.mask_truncated_completions` (TRL's name, DAPO's overlong filtering) a sequence
+whose last Choice stopped at the token limit (finish_reason "length") or that `max_seq_len` cut is
+left out of the loss, after the advantages of its group were computed with it, and counted
+(`masked_truncated`): its reward judged an unfinished answer, not the answer the policy would give.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from ..config import TrainConfig
 from ..records import mean_and_std
-from ..trajectory import TrajectoryGroup
+from ..trajectory import Choice, History, Trajectory, TrajectoryGroup
 from .tokens import TokenizedTrajectory, tokenize_trajectory
 
 __all__ = ["PreparedBatch", "group_advantages", "prepare_batch"]
@@ -57,8 +62,10 @@ class PreparedBatch:
     skipped_trajectories: int = 0  # in groups with signal, but no trainable tokens
     retokenized_choices: int = 0  # Choices without `token_ids`, trained on their re-tokenised text
     template_fallbacks: int = 0  # turns realigned because the chat template rewrote history
+    masked_truncated: int = 0  # sequences left out by mask_truncated_completions
     reward_mean: float = 0.0
     reward_std: float = 0.0
+    max_seq_len: int = 0  # the tokenisation limit; dr_grpo's default constant
 
     def metrics(self) -> dict[str, float]:
         """Batch counters, named as they appear in the training history."""
@@ -70,6 +77,7 @@ class PreparedBatch:
             "skipped_trajectories": float(self.skipped_trajectories),
             "retokenized_choices": float(self.retokenized_choices),
             "template_fallbacks": float(self.template_fallbacks),
+            "masked_truncated": float(self.masked_truncated),
             "reward_mean": self.reward_mean,  # not "reward": the history keeps the rollouts' own train/reward
             "reward_std": self.reward_std,
         }
@@ -86,7 +94,7 @@ def prepare_batch(
     trajectory, before they reach the model (on a GPU an out-of-range id is a device assert that
     takes the whole process down; on CPU an IndexError mid-step).
     """
-    batch = PreparedBatch()
+    batch = PreparedBatch(max_seq_len=max_seq_len)
     rewards = [t.reward for group in groups for t in group.trajectories]
     if rewards:
         batch.reward_mean, batch.reward_std = mean_and_std(rewards)
@@ -118,6 +126,9 @@ def prepare_batch(
                 if item.trainable_tokens == 0:
                     batch.skipped_trajectories += k == 0  # a history without a Choice is only context
                     continue
+                if config.mask_truncated_completions and (item.truncated or _stopped_at_length(history)):
+                    batch.masked_truncated += 1
+                    continue
                 item.advantage = advantage
                 item.group_index = index
                 batch.items.append(item)
@@ -131,3 +142,9 @@ def _check_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
     if bad is not None:
         raise ValueError(f"{where} has token id {bad}, outside the model's vocabulary [0, {vocab_size}): "
                          "token ids must come from this model's tokenizer (keep the Choice the endpoint returned)")
+
+
+def _stopped_at_length(history: Trajectory | History) -> bool:
+    """Whether the conversation's last Choice ended at the token limit rather than on its own."""
+    choices = [item for item in history.messages_and_choices if isinstance(item, Choice)]
+    return bool(choices) and choices[-1].finish_reason == "length"

@@ -1,10 +1,30 @@
-"""The GRPO objective: per-token logprobs, and the PPO-clip and CISPO losses over them.
+"""Per-token logprobs, the per-trajectory PPO-clip and CISPO losses, the KL to the reference.
 
 Shapes: a batch of B right-padded sequences of length T predicts T-1 tokens each, so logprobs,
 old logprobs and masks are [B, T-1] and advantages are [B] (one per trajectory, broadcast over
-its tokens). Each loss is a per-token mean within a trajectory, returned per trajectory [B],
-so the caller can weigh every trajectory equally however long it is. Old logprobs outside the
-mask are ignored (NaN is fine there: prompt and padding have none).
+its tokens). `ppo_clip_loss` and `cispo_loss` are a per-token mean within a trajectory, returned per
+trajectory [B]. Old logprobs outside the mask are ignored (NaN is fine there: prompt and padding
+have none). The whole loss menu (DAPO, Dr. GRPO, GSPO) is built from the pieces in `losses.py`.
+
+What the "old policy" is, and the engine mismatch (the decision, after TRL's GRPOTrainer):
+- art_nb takes one optimizer step per batch, and the engine sampled with exactly the weights the
+  trainer holds before that step. So pi_old is the trainer's own policy: `grpo_step` uses the
+  trainer's detached logprobs as old logprobs, the policy ratio is exactly 1 throughout the step,
+  and each loss's clip never acts (its gradient is the policy gradient, weighted as the loss
+  aggregates tokens). The clip only matters if one batch were reused for several updates.
+- What does differ between engine and trainer is numerics (vLLM in bf16 with its own kernels, a
+  batched KV-cached decode): the engine's logprob of a sampled token is not the trainer's. TRL
+  keeps that apart from the policy ratio as a detached importance weight pi_trainer / pi_engine,
+  truncated or masked at a cap (`losses.mismatch_weights`); so does art_nb
+  (`TrainConfig.importance_sampling_correction`, on by default where the engine sent logprobs).
+  Default mode "token_truncate" at 3.0, where TRL defaults to "sequence_mask": agent trajectories
+  carry hundreds to thousands of sampled tokens, and the product of that many per-token ratios
+  drifts far from 1 even when each is close, which would mask whole trajectories.
+- With the correction off, the engine's logprobs are the old logprobs, as in ART: the ratio is then
+  the mismatch itself, and each loss's clip bounds it (CISPO: weight capped at 1 + epsilon_high;
+  PPO: tokens beyond 1 +- epsilon lose their gradient).
+Per step `grpo_step` reports the mismatch: `mismatch_kl` (k3), `mismatch_logprob_abs` (mean
+|engine - trainer| logprob) and the share of tokens the cap acted on.
 
 Departures from the papers, on purpose:
 - PPO-clip as in GRPO (DeepSeekMath); `epsilon_high` gives the asymmetric "clip higher" of DAPO.
@@ -22,15 +42,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["cispo_loss", "kl_to_reference", "masked_mean", "ppo_clip_loss", "token_logprobs"]
+from .losses import cispo_token_loss, clip_token_loss, masked_mean, policy_log_ratio
 
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `x` where `mask` is set; 0 where nothing is. Values outside the mask are ignored,
-    NaN included (in the forward pass; keep them finite if gradients flow through them)."""
-    mask = mask.bool()
-    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim)
-    return total / mask.sum(dim).clamp(min=1).to(x.dtype)
+__all__ = ["cispo_loss", "kl_per_token", "kl_to_reference", "masked_mean", "ppo_clip_loss", "token_logprobs"]
 
 
 def token_logprobs(
@@ -102,12 +116,10 @@ def ppo_clip_loss(
     smaller one, i.e. whose gradient the clip removed.
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logprobs - _outside_mask_as_current(old_logprobs, logprobs, mask))
-    advantages = advantages.unsqueeze(-1)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
-    loss = -masked_mean(torch.minimum(unclipped, clipped), mask, dim=-1)
-    clip_fraction = masked_mean((clipped < unclipped).float(), mask).detach()
+    log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, "token")
+    per_token, clipped = clip_token_loss(log_ratio, advantages, epsilon, epsilon_high)
+    loss = masked_mean(per_token, mask, dim=-1)
+    clip_fraction = masked_mean(clipped.float(), mask)
     return loss, clip_fraction
 
 
@@ -125,10 +137,10 @@ def cispo_loss(
     `epsilon` = 1 (ART's CISPO default) puts no floor under the weight. Returns (loss [B],
     clip_fraction): the share of masked tokens whose weight was bounded.
     """
-    ratio = torch.exp(logprobs - _outside_mask_as_current(old_logprobs, logprobs, mask)).detach()
-    weight = torch.clamp(ratio, min=1 - epsilon, max=1 + epsilon_high)
-    loss = -masked_mean(weight * advantages.unsqueeze(-1) * logprobs, mask, dim=-1)
-    clip_fraction = masked_mean(((ratio > 1 + epsilon_high) | (ratio < 1 - epsilon)).float(), mask)
+    log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, "token")
+    per_token, bounded = cispo_token_loss(log_ratio, logprobs, advantages, epsilon, epsilon_high)
+    loss = masked_mean(per_token, mask, dim=-1)
+    clip_fraction = masked_mean(bounded.float(), mask)
     return loss, clip_fraction
 
 
@@ -136,8 +148,13 @@ def kl_to_reference(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, ma
     """KL(policy || reference) per trajectory [B]: the masked mean of the k3 estimator per token,
     exp(ref - logp) - (ref - logp) - 1 (http://joschu.net/blog/kl-approx.html; GRPO, DeepSeekMath
     eq. 4). Non-negative, 0 where the two agree; the gradient flows through `logprobs` only."""
+    return masked_mean(kl_per_token(logprobs, reference_logprobs, mask), mask, dim=-1)
+
+
+def kl_per_token(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(policy || reference) at each token [B, T]; 0 outside the mask."""
     log_ratio = _outside_mask_as_current(reference_logprobs.detach(), logprobs, mask) - logprobs
-    return masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask, dim=-1)
+    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def _outside_mask_as_current(

@@ -1,15 +1,21 @@
 """One GRPO optimizer step over a prepared batch.
 
 The batch is split into microbatches of at most `config.microbatch_tokens` padded tokens
-(sequences sorted by length so little is padding); gradients accumulate so that every
-trajectory weighs 1/len(items), whatever microbatch it lands in or how long it is.
+(sequences sorted by length so little is padding); gradients accumulate so that the loss is the
+one `config.loss` defines over the whole batch (losses.py), whatever microbatch a trajectory lands
+in: each microbatch's loss is divided by counts taken over the batch.
 
-Old logprobs (the denominator of the importance ratio) are the engine's, where it sent them:
-that ratio then also corrects for the engine and the trainer disagreeing numerically. Where it
-did not, the trainer's own detached logprobs stand in (ratio 1, a plain policy gradient).
+Old logprobs (the denominator of the policy ratio) are the trainer's own, detached: the engine
+sampled with the weights the trainer holds before this step. Where the engine sent logprobs, a
+separate detached weight pi_trainer / pi_engine, bounded as `config.importance_sampling_mode`
+says, corrects for the two disagreeing numerically (loss.py's docstring has the reasoning). With
+`importance_sampling_correction=False` the engine's logprobs are the old logprobs instead, as in ART.
 
 A step whose loss or gradient norm is not finite changes nothing: gradients are dropped, the
-optimizer does not step, and `skipped_nonfinite` is 1 so the caller can count such steps.
+optimizer does not step, and `skipped_nonfinite` is 1 so the caller can count such steps. With a
+`GradScaler` (float16 training, where small gradients underflow) the loss is scaled before each
+backward pass and the gradients unscaled before clipping; an overflow skips the step the same way
+and the scaler lowers its scale for the next one.
 
 The caller can abandon a step (`should_stop`, polled before each microbatch and before the
 optimizer steps: an interrupted cell should not wait for the whole batch) and watch it
@@ -29,16 +35,23 @@ import torch
 from ..config import TrainConfig
 from ..types import ProgressCallback
 from .advantages import PreparedBatch
-from .loss import (
-    cispo_loss,
-    kl_to_reference,
+from .loss import kl_per_token, token_logprobs
+from .losses import (
+    Aggregation,
+    cispo_token_loss,
+    clip_token_loss,
     masked_mean,
-    ppo_clip_loss,
-    token_logprobs,
+    mismatch_weights,
+    policy_log_ratio,
+    trajectory_divisors,
 )
 from .tokens import TokenizedTrajectory
 
-__all__ = ["grpo_step", "microbatches"]
+__all__ = ["AGGREGATION", "grpo_step", "microbatches"]
+
+# How each loss of the menu adds up its token losses (losses.trajectory_divisors).
+AGGREGATION: dict[str, Aggregation] = {
+    "cispo": "trajectory", "ppo": "trajectory", "gspo": "trajectory", "dapo": "token", "dr_grpo": "constant"}
 
 
 def grpo_step(
@@ -50,6 +63,7 @@ def grpo_step(
     should_stop: Callable[[], bool] | None = None,
     on_progress: ProgressCallback | None = None,
     reference: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, float]:
     """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
 
@@ -60,8 +74,11 @@ def grpo_step(
 
     Metrics: loss, entropy (mean over trained tokens), grad_norm, clip_fraction (share of trained
     tokens clipped), tokens_trained (0 when skipped), trajectories, mismatch_kl (KL from engine to
-    trainer, k3 estimator, over trained tokens that have engine logprobs), reference_kl (KL to the
-    reference, 0 unless kl_penalty_coef > 0), skipped_nonfinite. An empty batch returns zeros and does not step.
+    trainer, k3 estimator, over trained tokens that have engine logprobs), mismatch_logprob_abs
+    (mean |engine - trainer| logprob there), is_bounded_fraction (share of those tokens whose
+    mismatch weight the cap or floor truncated or masked), is_weight_mean, reference_kl (KL to the
+    reference, 0 unless kl_penalty_coef > 0), skipped_nonfinite, and grad_scale with a `scaler`.
+    An empty batch returns zeros and does not step.
 
     `should_stop()` True before a microbatch or before the optimizer steps abandons the step:
     gradients dropped, weights and optimizer untouched, `stopped` = 1 in the metrics. After each
@@ -76,6 +93,9 @@ def grpo_step(
         raise ValueError("kl_penalty_coef > 0 needs the reference model's logprobs, and this trainer gave no way "
                          "to disable its adapter; set kl_penalty_coef=0")
     groups = microbatches(items, config.microbatch_tokens or 4096)
+    totals.batch_tokens = sum(item.trainable_tokens for item in items)
+    constant = config.max_completion_length or batch.max_seq_len or max(
+        (item.trainable_tokens for item in items), default=1)
     for done, group in enumerate(groups, start=1):
         if should_stop is not None and should_stop():
             return _abandoned(optimizer, totals, len(items))
@@ -90,27 +110,13 @@ def grpo_step(
             model, mb.input_ids, mb.attention_mask, config.logprob_chunk_tokens, positions=mb.mask
         )
         known = torch.isfinite(mb.engine_logprobs) & mb.mask
-        old = torch.where(known, mb.engine_logprobs, logprobs.detach())
-        assert config.epsilon is not None  # TrainConfig sets each loss's default
-        if config.loss == "cispo":
-            assert config.epsilon_high is not None
-            per_trajectory, clip_fraction = cispo_loss(
-                logprobs, old, mb.advantages, mb.mask, config.epsilon_high, config.epsilon
-            )
-        else:
-            per_trajectory, clip_fraction = ppo_clip_loss(
-                logprobs, old, mb.advantages, mb.mask, config.epsilon, config.epsilon_high
-            )
-        if reference_logprobs is not None:
-            reference_kl = kl_to_reference(logprobs, reference_logprobs, mb.mask)
-            per_trajectory = per_trajectory + config.kl_penalty_coef * reference_kl
-            totals.reference_kl += float((reference_kl.detach() * mb.mask.sum(-1)).sum())
-        loss = per_trajectory.sum() / len(items)
+        loss, clipped, weights, bounded = _microbatch_loss(
+            logprobs, mb, known, config, len(items), totals.batch_tokens, constant, reference_logprobs, totals)
         if not torch.isfinite(loss):
             totals.nonfinite = True
             break
-        loss.backward()
-        totals.add(loss, entropy, clip_fraction, logprobs.detach(), mb, known)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        totals.add(loss, entropy, clipped, logprobs.detach(), mb, known, weights, bounded)
         if on_progress is not None:
             on_progress({"phase": "train", "done": done, "total": len(groups), "tokens": totals.tokens})
 
@@ -118,14 +124,60 @@ def grpo_step(
         return totals.metrics(grad_norm=0.0, skipped=False, trajectories=0)
     grad_norm = math.nan
     if not totals.nonfinite:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
     skipped = not math.isfinite(grad_norm)
+    if not skipped and should_stop is not None and should_stop():
+        if scaler is not None:
+            scaler.update()  # unscale_ ran: the scaler must close this step before the next one
+        return _abandoned(optimizer, totals, len(items))
     if not skipped:
-        if should_stop is not None and should_stop():
-            return _abandoned(optimizer, totals, len(items))
-        optimizer.step()
+        scaler.step(optimizer) if scaler is not None else optimizer.step()
+    if scaler is not None and not totals.nonfinite:
+        scaler.update()  # an overflow (skipped) halves the scale; enough clean steps double it
     optimizer.zero_grad(set_to_none=True)
-    return totals.metrics(grad_norm=grad_norm, skipped=skipped, trajectories=len(items))
+    metrics = totals.metrics(grad_norm=grad_norm, skipped=skipped, trajectories=len(items))
+    if scaler is not None:
+        metrics["grad_scale"] = float(scaler.get_scale())
+    return metrics
+
+
+def _microbatch_loss(
+    logprobs: torch.Tensor,
+    mb: _Microbatch,
+    known: torch.Tensor,
+    config: TrainConfig,
+    trajectories: int,
+    batch_tokens: int,
+    constant: int,
+    reference_logprobs: torch.Tensor | None,
+    totals: _Totals,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This microbatch's share of the batch loss, and per token: clipped, mismatch weight, bounded."""
+    assert config.epsilon is not None  # TrainConfig sets each loss's default
+    epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+    if config.importance_sampling_correction:
+        old = logprobs.detach()  # pi_old is this trainer's policy: the engine sampled these weights
+        weights, bounded = mismatch_weights(logprobs, mb.engine_logprobs, known, config.importance_sampling_mode,
+                                            config.importance_sampling_cap, config.importance_sampling_floor)
+    else:
+        old = torch.where(known, mb.engine_logprobs, logprobs.detach())
+        weights, bounded = torch.ones_like(logprobs), torch.zeros_like(known)
+    level = "sequence" if config.importance_sampling_level == "sequence" else "token"
+    log_ratio = policy_log_ratio(logprobs, old, mb.mask, level)
+    if config.loss == "cispo":
+        per_token, clipped = cispo_token_loss(log_ratio, logprobs, mb.advantages, config.epsilon, epsilon_high)
+    else:
+        per_token, clipped = clip_token_loss(log_ratio, mb.advantages, config.epsilon, epsilon_high)
+    per_token = per_token * weights
+    if reference_logprobs is not None:
+        reference_kl = kl_per_token(logprobs, reference_logprobs, mb.mask)
+        per_token = per_token + config.kl_penalty_coef * reference_kl
+        totals.reference_kl += float(torch.where(mb.mask, reference_kl.detach(), 0.0).sum())
+    divisors = trajectory_divisors(AGGREGATION[config.loss], mb.mask.sum(-1), trajectories, batch_tokens, constant)
+    loss = (torch.where(mb.mask, per_token, 0.0).sum(-1) / divisors).sum()
+    return loss, clipped, weights, bounded
 
 
 def _abandoned(optimizer: torch.optim.Optimizer, totals: _Totals, trajectories: int) -> dict[str, float]:
@@ -191,28 +243,37 @@ class _Totals:
         self.kl = 0.0
         self.kl_tokens = 0
         self.reference_kl = 0.0  # sum over trained tokens of the KL to the reference (0 when not asked)
+        self.mismatch_abs = 0.0  # sum over tokens with engine logprobs of |engine - trainer|
+        self.is_weight = 0.0  # sum of the mismatch weights there
+        self.is_bounded = 0  # tokens whose weight the cap/floor acted on
+        self.batch_tokens = 0  # trained tokens of the whole batch (DAPO's divisor)
         self.nonfinite = False
 
     def add(
         self,
         loss: torch.Tensor,
         entropy: torch.Tensor,
-        clip_fraction: torch.Tensor,
+        clipped: torch.Tensor,
         logprobs: torch.Tensor,
         mb: _Microbatch,
         known: torch.Tensor,
+        weights: torch.Tensor,
+        bounded: torch.Tensor,
     ) -> None:
         tokens = int(mb.mask.sum())
         self.loss += float(loss.detach())
         self.tokens += tokens
         self.entropy += float(masked_mean(entropy, mb.mask)) * tokens
-        self.clipped += float(clip_fraction) * tokens
+        self.clipped += float((clipped & mb.mask).sum())
+        self.is_weight += float(torch.where(known, weights, 0.0).sum())
+        self.is_bounded += int((bounded & known).sum())
         # k3 estimate of KL(engine || trainer) from the engine's samples: r - 1 - log r,
         # r = p_trainer / p_engine (http://joschu.net/blog/kl-approx.html). Non-negative per token,
         # and 0 when the two agree.
         log_ratio = logprobs - torch.nan_to_num(mb.engine_logprobs)
         log_ratio = torch.where(known, log_ratio, torch.zeros_like(log_ratio))
         self.kl += float((torch.exp(log_ratio) - 1 - log_ratio).sum())
+        self.mismatch_abs += float(log_ratio.abs().sum())
         self.kl_tokens += int(known.sum())
 
     def metrics(self, grad_norm: float, skipped: bool, trajectories: int) -> dict[str, float]:
@@ -224,6 +285,9 @@ class _Totals:
             "tokens_trained": 0.0 if skipped else float(self.tokens),
             "trajectories": float(trajectories),
             "mismatch_kl": self.kl / max(self.kl_tokens, 1),
+            "mismatch_logprob_abs": self.mismatch_abs / max(self.kl_tokens, 1),
+            "is_weight_mean": self.is_weight / self.kl_tokens if self.kl_tokens else 1.0,
+            "is_bounded_fraction": self.is_bounded / max(self.kl_tokens, 1),
             "reference_kl": self.reference_kl / max(self.tokens, 1),
             "skipped_nonfinite": float(skipped),
         }
