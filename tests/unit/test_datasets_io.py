@@ -150,3 +150,20 @@ def test_iterate_dataset_says_how_to_fix_a_dict_of_splits_or_a_stream():
         next(art.iterate_dataset(splits, use_tqdm=False))
     with pytest.raises(TypeError, match="no len"):
         next(art.iterate_dataset((i for i in range(3)), use_tqdm=False))
+
+
+def test_the_shipped_scenarios_file_is_the_one_the_notebook_writes_where_it_is_missing(tmp_path, monkeypatch):
+    """Colab opens the notebook without `notebooks/data/`: its fallback must write the same scenarios."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "notebooks"
+    notebook = json.loads((root / "custom_rollout.ipynb").read_text(encoding="utf-8"))
+    rollout_cell = next("".join(c["source"]) for c in notebook["cells"] if "YOUR ROLLOUT" in "".join(c["source"]))
+    namespace: dict = {}
+    exec(rollout_cell.split("\nSYSTEM =")[0], namespace)  # imports, SCENARIOS_FILE, make_scenarios
+    monkeypatch.chdir(tmp_path)
+    scenarios = namespace["make_scenarios"]()
+    shipped = (root / "data" / "addition_scenarios.jsonl").read_text()
+    assert (tmp_path / "data" / "addition_scenarios.jsonl").read_text() == shipped
+    assert len(scenarios) == 100 and scenarios.column_names == ["a", "b"]
+    assert {(r["a"], r["b"]) for r in scenarios} == {(a, b) for a in range(10) for b in range(10)}
