@@ -1,31 +1,32 @@
-"""httpx: `Client.send` / `AsyncClient.send` (every httpx request goes through them, the openai
-SDK's included) and the response's byte iterators (what `read()`, `aread()` and streaming use)."""
+"""httpx and httpx2 (its successor, which the openai SDK 3.x uses; same API): `Client.send` /
+`AsyncClient.send` (every request goes through them, the openai SDK's included) and the response's
+byte iterators (what `read()`, `aread()` and streaming use)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from types import ModuleType
 from typing import Any
-
-import httpx
 
 from .pending import ATTRIBUTE, Pending, begin
 
 __all__ = ["install"]
 
 
-def _request_body(request: httpx.Request) -> bytes | None:
-    try:
-        return request.content
-    except httpx.RequestNotRead:  # a streamed upload: not a JSON chat request
-        return None
+def install(httpx: ModuleType) -> None:
+    """Patch `httpx` (the module `httpx` or `httpx2`)."""
 
+    def _request_body(request: Any) -> bytes | None:
+        try:
+            return request.content
+        except httpx.RequestNotRead:  # a streamed upload: not a JSON chat request
+            return None
 
-def install() -> None:
     send, async_send = httpx.Client.send, httpx.AsyncClient.send
     iter_bytes, aiter_bytes = httpx.Response.iter_bytes, httpx.Response.aiter_bytes
     close, aclose = httpx.Response.close, httpx.Response.aclose
 
-    def _attach(response: httpx.Response, pending: Pending | None, streaming: bool) -> None:
+    def _attach(response: Any, pending: Pending | None, streaming: bool) -> None:
         if pending is None:
             return
         pending.status = response.status_code
@@ -35,19 +36,19 @@ def install() -> None:
             pending.add(response.content)
             pending.finish()
 
-    def patched_send(self: httpx.Client, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+    def patched_send(self: Any, request: Any, **kwargs: Any) -> Any:
         pending = begin(request.method, str(request.url), _request_body(request))
         response = send(self, request, **kwargs)
         _attach(response, pending, bool(kwargs.get("stream")))
         return response
 
-    async def patched_async_send(self: httpx.AsyncClient, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+    async def patched_async_send(self: Any, request: Any, **kwargs: Any) -> Any:
         pending = begin(request.method, str(request.url), _request_body(request))
         response = await async_send(self, request, **kwargs)
         _attach(response, pending, bool(kwargs.get("stream")))
         return response
 
-    def patched_iter_bytes(self: httpx.Response, chunk_size: int | None = None) -> Iterator[bytes]:
+    def patched_iter_bytes(self: Any, chunk_size: int | None = None) -> Iterator[bytes]:
         # third-party: our own attribute on httpx's response, set only on responses we track
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
         for chunk in iter_bytes(self, chunk_size):
@@ -57,7 +58,7 @@ def install() -> None:
         if pending is not None:
             pending.finish()
 
-    async def patched_aiter_bytes(self: httpx.Response, chunk_size: int | None = None) -> AsyncIterator[bytes]:
+    async def patched_aiter_bytes(self: Any, chunk_size: int | None = None) -> AsyncIterator[bytes]:
         # third-party: our own attribute on httpx's response, set only on responses we track
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
         async for chunk in aiter_bytes(self, chunk_size):
@@ -67,23 +68,23 @@ def install() -> None:
         if pending is not None:
             pending.finish()
 
-    def patched_close(self: httpx.Response) -> None:
+    def patched_close(self: Any) -> None:
         close(self)
         # third-party: our own attribute on httpx's response
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
         if pending is not None:
             pending.finish()
 
-    async def patched_aclose(self: httpx.Response) -> None:
+    async def patched_aclose(self: Any) -> None:
         await aclose(self)
         # third-party: our own attribute on httpx's response
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
         if pending is not None:
             pending.finish()
 
-    httpx.Client.send = patched_send  # type: ignore[method-assign]
-    httpx.AsyncClient.send = patched_async_send  # type: ignore[method-assign]
-    httpx.Response.iter_bytes = patched_iter_bytes  # type: ignore[method-assign]
-    httpx.Response.aiter_bytes = patched_aiter_bytes  # type: ignore[method-assign]
-    httpx.Response.close = patched_close  # type: ignore[method-assign]
-    httpx.Response.aclose = patched_aclose  # type: ignore[method-assign]
+    httpx.Client.send = patched_send
+    httpx.AsyncClient.send = patched_async_send
+    httpx.Response.iter_bytes = patched_iter_bytes
+    httpx.Response.aiter_bytes = patched_aiter_bytes
+    httpx.Response.close = patched_close
+    httpx.Response.aclose = patched_aclose

@@ -15,11 +15,12 @@ _done: set[str] = set()
 
 
 def install() -> None:
-    if "httpx" in sys.modules and "httpx" not in _done:
-        from . import hook_httpx
+    for name in ("httpx", "httpx2"):  # httpx2: what the openai SDK 3.x sends with
+        if name in sys.modules and name not in _done:
+            from . import hook_httpx
 
-        hook_httpx.install()
-        _done.add("httpx")
+            hook_httpx.install(sys.modules[name])
+            _done.add(name)
     if "requests" in sys.modules and "requests" not in _done:
         from . import hook_requests
 
