@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from . import porting
 from .config import ModelConfig, TrainConfig
+from .sft_config import TrainSFTConfig
 from .trajectory import Trajectory, TrajectoryGroup
 from .types import check_name
 
@@ -234,11 +235,31 @@ class TrainableModel(Model):
             config = porting.train_config(config, _config, "TrainableModel.train")
         return await self.backend.train(self, list(chosen), config or TrainConfig(), on_progress=on_progress)
 
-    async def train_sft(self, trajectories: Iterable[Trajectory], config: Any = None, _config: Any = None,
-                        verbose: bool = False) -> None:
-        """ART's supervised fine-tuning: not built in art_nb yet."""
-        raise NotImplementedError("train_sft: supervised fine-tuning (SFT) is not built in art_nb yet; "
-                                  "train with RL (backend.train) or fine-tune the LoRA checkpoint elsewhere")
+    async def train_sft(
+        self,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig | None = None,
+        _config: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+        log_metrics: bool = True,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on demonstrations, as ART's `model.train_sft`: each trajectory's
+        assistant turns (written dicts or sampled Choices) are the labels, one optimizer step per
+        batch of `config.batch_size`, one new checkpoint for the call. Use it to warm-start a LoRA
+        from a few good examples before GRPO; `get_inference_name()` serves the result at once.
+
+        `log_metrics=False` is accepted for ART code; the metrics are recorded either way (history
+        split "sft"). Returns the new step and its metrics (ART returns None).
+        """
+        if not log_metrics:
+            from .config import report_ignored
+
+            report_ignored({"log_metrics": "SFT metrics are always recorded (history split 'sft')"},
+                           "TrainableModel.train_sft")
+        return await self.backend.train_sft(self, list(trajectories), config or TrainSFTConfig(), _config,
+                                            verbose, on_progress=on_progress)
 
     async def handoff(self, backend: HandoffTarget, **kwargs: Any) -> int:
         """Continue training on `backend` (a ServerlessBackend) from this model's latest local LoRA.

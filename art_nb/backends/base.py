@@ -9,11 +9,12 @@ no caller needs to probe a backend for what it can do. The protocol is typed on 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..config import TrainConfig
+from ..sft_config import TrainSFTConfig
 from ..trajectory import Trajectory, TrajectoryGroup
 from ..types import (
     InferenceEndpoint,
@@ -53,6 +54,20 @@ class Backend(Protocol):
     ) -> TrainResult:
         """One step. `kwargs` are ART's `backend.train` arguments (`learning_rate=`, `loss_fn=`, ...),
         applied to `config` by `art_nb.porting.train_config`."""
+        ...
+
+    async def train_sft(
+        self,
+        model: TrainableModelRef,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig | None = None,
+        _config: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+        *,
+        on_progress: ProgressCallback | None = None,
+    ) -> TrainResult:
+        """Supervised fine-tuning on demonstrations (ART's `train_sft`): one checkpoint per call. A
+        backend that cannot do it raises NotImplementedError saying what to use instead."""
         ...
 
     async def log(

@@ -231,6 +231,14 @@ class RemoteBackend:
             return TrainResult(step=int(item["step"]), metrics=dict(item.get("metrics") or {}))
         return None
 
+    async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
+                        config: Any = None, _config: Any = None, verbose: bool = False, *,
+                        on_progress: ProgressCallback | None = None) -> TrainResult:
+        """ART's supervised fine-tuning: not available through this backend (the error says what to do)."""
+        raise NotImplementedError(
+            "RemoteBackend.train_sft: `art-nb serve` does not take SFT requests yet; run the SFT warm start "
+            "with a LocalBackend on the GPU machine (same path as the server's), then train with RL here")
+
     async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
         items = [{"group": group_to_wire(t)} if isinstance(t, TrajectoryGroup)

@@ -74,6 +74,13 @@ class StubBackend:
         self.step += 1
         return TrainResult(step=self.step, metrics={"loss": 0.0})
 
+    async def train_sft(self, model: Any, trajectories: Any, config: Any = None, _config: Any = None,
+                        verbose: bool = False, *, on_progress: Any = None) -> Any:
+        from art_nb.types import TrainResult
+
+        self.step += 1
+        return TrainResult(step=self.step, metrics={"loss": 0.0})
+
     async def log(self, model: Any, trajectories: Any, split: str = "val", step: int | None = None,
                   metrics: Any = None) -> dict[str, float]:
         self.logged.append((split, step, metrics, list(trajectories)))
@@ -560,16 +567,14 @@ def _() -> None:
                         _config={"logprob_calculation_chunk_size": 8}, verbose=True))
 
 
-@check("model.train_sft(...) exists (a clear error: not built yet)")
+@check("model.train_sft(trajectories, art.TrainSFTConfig(learning_rate=, batch_size=, assistant_turns=))")
 def _() -> None:
     model = trainable()
     run(model.register(STUB))
-    try:
-        run(model.train_sft([art.Trajectory()]))
-    except NotImplementedError as error:
-        assert "SFT" in str(error)
-        return
-    raise AssertionError("expected NotImplementedError naming SFT")
+    demo = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "hello"}])
+    config = art.TrainSFTConfig(learning_rate=[1e-4], batch_size=2, assistant_turns="last")
+    run(model.train_sft([demo], config, _config=art.dev.TrainSFTConfig(metric_logging={"enabled": True})))
 
 
 # ---- TrainConfig -------------------------------------------------------------------------------------

@@ -107,6 +107,11 @@ class StubBackend:
         self.calls.append(("train", config))
         return TrainResult(step=self.step + 1)
 
+    async def train_sft(self, model: Any, trajectories: Any, config: Any = None, _config: Any = None,
+                        verbose: bool = False, *, on_progress: Any = None) -> TrainResult:
+        self.calls.append(("train_sft", (len(trajectories), config)))
+        return TrainResult(step=self.step + 1)
+
     async def log(self, model: Any, trajectories: Any, split: str = "val", step: Any = None, metrics: Any = None) -> dict:
         self.calls.append(("log", (split, step, metrics, [len(g) for g in trajectories])))
         return {}
@@ -155,8 +160,8 @@ async def test_log_metrics_alone_and_the_older_train_call():
                           _config={"logprob_calculation_chunk_size": 8, "ppo": True}, verbose=True)
     sent = backend.calls[-1][1]
     assert (sent.learning_rate, sent.logprob_chunk_tokens, sent.loss) == (3e-5, 8, "ppo")
-    with pytest.raises(NotImplementedError, match="SFT"):
-        await model.train_sft([])
+    await model.train_sft([art.Trajectory()], art.TrainSFTConfig(learning_rate=1e-4))
+    assert backend.calls[-1] == ("train_sft", (1, art.TrainSFTConfig(learning_rate=1e-4)))
 
 
 async def test_delete_checkpoints_forms():

@@ -226,6 +226,9 @@ class InstantBackend:
         events.emit("train_finished", model=model.name, step=step, metrics={"loss": 0.25})
         return TrainResult(step=step, metrics={"loss": 0.25, "lr": config.learning_rate})
 
+    async def train_sft(self, model, trajectories, config=None, _config=None, verbose=False, *, on_progress=None):
+        raise NotImplementedError("no SFT in this fake")
+
     async def log(self, model, items, split="val", step=None, metrics=None) -> dict[str, float]:
         return {"trajectories": float(sum(len(i) if isinstance(i, art.TrajectoryGroup) else 1 for i in items))}
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ... import s3
 from ...config import TrainConfig, report_ignored
 from ...porting import train_config
+from ...sft_config import TrainSFTConfig
 from ...store import model_dir as store_model_dir
 from ...trajectory import Trajectory, TrajectoryGroup, gathered_groups
 from ...types import (
@@ -139,6 +140,24 @@ class LocalBackend:
             config = train_config(config, kwargs, "LocalBackend.train")
         groups = gathered_groups(groups)  # trajectories changed in place since they were built are checked again
         return await self.loop.run(self._runtime.train(model, groups, config or TrainConfig(), on_progress))
+
+    async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
+                        config: TrainSFTConfig | None = None, _config: Mapping[str, Any] | None = None,
+                        verbose: bool = False, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+        """Supervised fine-tuning on demonstrations (ART's `train_sft`): one optimizer step per batch of
+        `config.batch_size`, one checkpoint for the call, on the same LoRA GRPO trains; the served model
+        and the next `train` continue from it. `_config` (ART's `dev.TrainSFTConfig`) changes nothing
+        here: metrics are always recorded (history split "sft"). `on_progress` gets one event per batch."""
+        from . import sft
+
+        items = [Trajectory.model_validate(t) if isinstance(t, dict) else t for t in trajectories]
+        config = config or TrainSFTConfig()
+
+        async def run() -> TrainResult:
+            gate = await self._runtime.ensure_server()
+            return await sft.train_sft(self._runtime.state(model), gate, items, config, on_progress)
+
+        return await self.loop.run(run())
 
     async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:

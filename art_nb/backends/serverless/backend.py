@@ -229,6 +229,14 @@ class ServerlessBackend:
         events.emit("train_finished", model=model.name, step=step, metrics=metrics)
         return TrainResult(step=step, metrics=metrics)
 
+    async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
+                        config: Any = None, _config: Any = None, verbose: bool = False, *,
+                        on_progress: ProgressCallback | None = None) -> TrainResult:
+        """ART's supervised fine-tuning: not available through this backend (the error says what to do)."""
+        raise NotImplementedError(
+            "ServerlessBackend.train_sft: art_nb's client of the hosted training API submits RL jobs only; "
+            "warm-start with SFT on a LocalBackend, then continue hosted with `await model.handoff(backend)`")
+
     async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
         """Record locally (what the dashboard reads) and, with `log_remote`, on the service too."""

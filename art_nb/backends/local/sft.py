@@ -1,0 +1,109 @@
+"""One `train_sft` call in the in-process backend: the same choreography as a GRPO step (step.py).
+
+Settle the previous checkpoint; record the demonstrations (history split "sft", so the run's
+records say this step was supervised); hold new requests; let the engine arrange its memory and
+run `trainer.sft_step` over every batch; stage the adapter and serve it as the next step; finish
+the checkpoint in the background; let requests through. One call is one checkpoint, as in ART, so
+the next GRPO step and the served model continue from the SFT weights.
+
+Interrupted before any batch stepped: abandoned, nothing saved. After: what was trained is saved.
+Non-finite weights: put back on the last checkpoint, the step does not advance, and it is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ... import events
+from ...records import record_groups, record_metrics
+from ...sft_config import TrainSFTConfig
+from ...trajectory import Trajectory, TrajectoryGroup
+from ...types import LocalTrainResult, ProgressCallback, TrainResult
+from .commit import settle, start_commit
+from .state import ModelState, StepControl
+from .step import _guarded, _serve, _stage
+
+if TYPE_CHECKING:
+    from ...server import InferenceGate
+
+__all__ = ["SFT_SPLIT", "train_sft"]
+
+SFT_SPLIT = "sft"  # the history split and trajectory directory of supervised steps
+_log = logging.getLogger("art_nb")
+
+
+async def train_sft(state: ModelState, gate: InferenceGate, trajectories: list[Trajectory], config: TrainSFTConfig,
+                    on_progress: ProgressCallback | None) -> TrainResult:
+    """Supervised fine-tuning on `trajectories`; returns once the new adapter is served."""
+    async with state.train_lock:
+        started = time.perf_counter()
+        await settle(state, gate)
+        if not trajectories:
+            return LocalTrainResult(step=state.step, metrics={"trajectories": 0.0},
+                                    checkpoint_path=str(state.store.checkpoint_dir(state.step)))
+        await asyncio.to_thread(functools.partial(record_groups, skip_recorded=False), state.store,
+                                state.model_name, SFT_SPLIT, state.step, [TrajectoryGroup(trajectories)])
+        control = StepControl()
+        update = asyncio.ensure_future(_update(state, gate, trajectories, config, control, _guarded(on_progress), started))
+        try:
+            result = await asyncio.shield(update)
+        except asyncio.CancelledError:  # as in step.train: stop the trainer, hold the lock until it settles
+            control.stop.set()
+            if not control.training:
+                update.cancel()
+            while not update.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({update})
+            if not update.cancelled() and update.exception() is not None:
+                _log.error("the interrupted SFT call failed: %r", update.exception())
+            raise
+        return result
+
+
+async def _update(state: ModelState, gate: InferenceGate, trajectories: list[Trajectory], config: TrainSFTConfig,
+                  control: StepControl, on_progress: ProgressCallback | None, started: float) -> TrainResult:
+    step, new_step = state.step, state.step + 1
+    timings: dict[str, float] = {}
+    try:
+        await gate.pause()
+        events.emit("train_started", model=state.model_name, step=step, sft=True, trajectories=len(trajectories))
+        mark = time.perf_counter()
+        control.training = True
+        metrics = await state.engine.train_with(lambda: asyncio.to_thread(
+            state.trainer.sft_step, trajectories, config, control.stop.is_set, on_progress))
+        timings["time/train"] = time.perf_counter() - mark
+        unchanged = ""
+        if metrics.get("stopped"):
+            unchanged = "interrupted before any batch stepped: abandoned, nothing saved"
+        elif metrics.get("skipped_nonfinite"):
+            if metrics.get("nonfinite_weights"):
+                await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+            unchanged = "non-finite loss, gradient or weights: no update kept"
+        if unchanged:
+            _log.warning("SFT from step %d %s", step, unchanged)
+            return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(state.store.checkpoint_dir(step)))
+        mark = time.perf_counter()
+        try:
+            staged, write_state = await asyncio.to_thread(_stage, state, new_step)
+        except Exception:
+            await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+            raise
+        state.step = new_step
+        timings["time/save"] = time.perf_counter() - mark
+        try:
+            await _serve(state, new_step, staged)
+        finally:
+            state.commit = start_commit(state, new_step, staged, write_state)
+    finally:
+        gate.resume()
+    timings["time/step_total"] = time.perf_counter() - started
+    metrics = {**metrics, **timings}
+    await asyncio.to_thread(record_metrics, state.store, SFT_SPLIT, step, metrics)
+    checkpoint = str(state.store.checkpoint_dir(new_step))
+    events.emit("train_finished", model=state.model_name, step=new_step, metrics=metrics, checkpoint=checkpoint, sft=True)
+    return LocalTrainResult(step=new_step, metrics=metrics, checkpoint_path=checkpoint)
