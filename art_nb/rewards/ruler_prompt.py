@@ -117,10 +117,25 @@ def rating_messages(message_lists: Sequence[Sequence[Mapping[str, Any]]], rubric
     page, shown = _page(message_lists, tools)
     if not 1 <= index <= shown:
         raise ValueError(f"trajectory {index} is not on the page (1..{shown})")
-    question = (f"Rate trajectory {index} from 0 (worst) to {MAX_RATING} (best) against the others. "
-                "Reply with the number only.")
-    return [{"role": "system", "content": _instructions(rubric)},
-            {"role": "user", "content": f"{page}\n\n{question}"}]
+    return [{"role": "system", "content": _instructions(rubric)}, *_RATING_EXAMPLE,
+            {"role": "user", "content": f"{page}\n\n{_question(index)}"}]
+
+
+def _question(index: int) -> str:
+    return (f"Rate trajectory {index} from 0 (worst) to {MAX_RATING} (best) against the others. "
+            "Reply with the number only.")
+
+
+# Two worked turns before the real question: a small model copies their form (a bare number) far
+# more often than it follows the instruction alone.
+_EXAMPLE_PAGE = ('Trajectories:\n\n<trajectory id="1">\n[{"role": "user", "content": "Capital of France?"}, '
+                 '{"role": "assistant", "content": "Paris."}]\n</trajectory>\n\n<trajectory id="2">\n'
+                 '[{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Bananas."}]'
+                 "\n</trajectory>")
+_RATING_EXAMPLE = [
+    {"role": "user", "content": f"{_EXAMPLE_PAGE}\n\n{_question(1)}"}, {"role": "assistant", "content": "9"},
+    {"role": "user", "content": _question(2)}, {"role": "assistant", "content": "1"},
+]
 
 
 def _json_object(content: str) -> Any:
