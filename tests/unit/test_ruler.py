@@ -82,8 +82,11 @@ def test_identical_trajectories_are_shown_whole_once():
 
 def test_rating_question_names_one_trajectory():
     messages = rating_messages([convo("1"), convo("2")], "rubric", 2)
-    assert messages[1]["content"].rstrip().endswith("Reply with the number only.")
-    assert "Rate trajectory 2 from 0" in messages[1]["content"]
+    assert messages[-1]["content"].rstrip().endswith("Reply with the number only.")
+    assert "Rate trajectory 2 from 0" in messages[-1]["content"] and "Count to 3." in messages[-1]["content"]
+    # worked turns first: a small judge copies their bare-number answers
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[2]["content"].isdigit() and messages[4]["content"].isdigit()
     with pytest.raises(ValueError, match="not on the page"):
         rating_messages([convo("1"), convo("2")], "rubric", 3)
 
