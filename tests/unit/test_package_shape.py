@@ -112,7 +112,7 @@ LAYERS = {
     "art_nb.memory": 2, "art_nb.versions": 2, "art_nb.models": 2, "art_nb._threads": 2, "art_nb._compat": 2, "art_nb.plan": 2,
     "art_nb.s3": 2,
     "art_nb.backends": 3,
-    "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.export": 4, "art_nb.datasets_io": 4, "art_nb.demo": 4,
+    "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.export": 4, "art_nb.export_gguf": 4, "art_nb.datasets_io": 4, "art_nb.demo": 4,
     "art_nb.cli": 4, "art_nb.serverless": 4, "art_nb.rewards": 4, "art_nb.mcp": 4, "art_nb.langgraph": 4,
 }
 
