@@ -24,8 +24,15 @@ from ..trajectory import Trajectory, TrajectoryGroup
 from . import ruler_cache
 from .ruler_judge import Judge, resolve_judge
 from .ruler_prompt import (
-    DEFAULT_RUBRIC, MAX_RATING, TrajectoryScore, cache_key, judge_messages, parse_scores, rating_from_texts,
-    rating_from_top_logprobs, rating_messages,
+    DEFAULT_RUBRIC,
+    MAX_RATING,
+    TrajectoryScore,
+    cache_key,
+    judge_messages,
+    parse_scores,
+    rating_from_texts,
+    rating_from_top_logprobs,
+    rating_messages,
 )
 
 __all__ = ["DEFAULT_RUBRIC", "TrajectoryScore", "ruler", "ruler_score_group"]

@@ -165,7 +165,8 @@ def parse_scores(content: str | None, expected: int) -> list[TrajectoryScore]:
     data = _json_object(content or "")
     items = data.get("scores") if isinstance(data, dict) else data
     if not isinstance(items, list):
-        raise ValueError(f'the judge\'s JSON has no "scores" list: {str(content)[:200]!r}')
+        # A malformed reply is bad data, not a caller's wrong type: ValueError, like every other parse failure.
+        raise ValueError(f'the judge\'s JSON has no "scores" list: {str(content)[:200]!r}')  # noqa: TRY004
     if len(items) != expected:
         raise ValueError(f"expected {expected} scores from the judge, got {len(items)}")
     try:

@@ -12,7 +12,12 @@ import art_nb as art
 from art_nb.rewards import ruler_score_group
 from art_nb.rewards.ruler_judge import Judge, resolve_judge
 from art_nb.rewards.ruler_prompt import (
-    DEFAULT_RUBRIC, common_prefix_len, judge_messages, parse_scores, rating_from_texts, rating_from_top_logprobs,
+    DEFAULT_RUBRIC,
+    common_prefix_len,
+    judge_messages,
+    parse_scores,
+    rating_from_texts,
+    rating_from_top_logprobs,
     rating_messages,
 )
 
