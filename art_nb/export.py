@@ -7,6 +7,8 @@ What is written under `destination`:
     {name}-step{step}-lora/        adapter_model.safetensors, adapter_config.json, tokenizer files, README.md
     {name}-step{step}-lora.zip     the same directory, zipped (the thing to download from Colab)
     {name}-step{step}-merged/      with merge=True: base + LoRA folded into 16-bit weights (safetensors)
+    {name}-step{step}-{type}.gguf  with gguf=True ("q8_0") or "f16"/"bf16"/"f32": that merged model for
+                                   llama.cpp/Ollama (export_gguf.py: where the converter comes from)
 
 The adapter directory loads with `PeftModel.from_pretrained(base, path)`. Its `adapter_config.json`
 names the base model as the user gave it (a hub id), not the local cache path it was trained from,
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .export_gguf import convert_to_gguf, gguf_type
 from .secrets import Secret, find_secret
 from .store import ADAPTER_FILES, META_FILE, checkpoint_path, checkpoint_steps
 from .types import check_name
@@ -58,6 +61,7 @@ class ExportResult:
     adapter_dir: Path
     zip_path: Path | None = None
     merged_dir: Path | None = None
+    gguf_path: Path | None = None
     hub_url: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -67,6 +71,8 @@ class ExportResult:
             lines.append(f"  zip:     {self.zip_path}")
         if self.merged_dir:
             lines.append(f"  merged:  {self.merged_dir}")
+        if self.gguf_path:
+            lines.append(f"  gguf:    {self.gguf_path}")
         if self.hub_url:
             lines.append(f"  hub:     {self.hub_url}")
         lines += [f"  note:    {note}" for note in self.notes]
@@ -109,6 +115,8 @@ def export_adapter(
     make_zip: bool = True,
     merge: bool = False,
     merge_dtype: Literal["auto", "float16", "bfloat16"] = "auto",
+    gguf: bool | str = False,
+    llama_cpp_dir: str | os.PathLike[str] | None = None,
     hub_repo: str | None = None,
     hub_private: bool = True,
     token: str | Secret | None = None,
@@ -116,8 +124,12 @@ def export_adapter(
     """Export the checkpoint in `checkpoint_dir` (a `checkpoints/{step:04d}` directory) into `destination`.
 
     `base_model`: the hub id or path to name in `adapter_config.json` and to merge into (default:
-    what the checkpoint says). `hub_repo` ("user/name"): upload the adapter there when a token is found.
+    what the checkpoint says). `gguf` (True = "q8_0", or "f16"/"bf16"/"f32"): also a GGUF file of the
+    merged model (merged even when `merge` is False), converted offline by llama.cpp's Python converter
+    found in `llama_cpp_dir`, `LLAMA_CPP_DIR` or the cache (export_gguf.py). `hub_repo` ("user/name"):
+    upload the adapter there when a token is found.
     """
+    outtype = gguf_type(gguf) if gguf else None  # a bad type fails before anything is written
     source = Path(checkpoint_dir)
     missing = [f for f in ADAPTER_FILES if not (source / f).is_file()]
     if missing:
@@ -139,9 +151,14 @@ def export_adapter(
     notes: list[str] = []
     zip_path = _zip_dir(adapter_dir, out / f"{stem}-lora.zip") if make_zip else None
     merged_dir = None
-    if merge:
+    gguf_path = None
+    if merge or outtype:
         merged_dir, dtype_note = merge_adapter(adapter_dir, out / f"{stem}-merged", base_model, merge_dtype)
         notes.append(dtype_note)
+    if outtype and merged_dir is not None:
+        gguf_path = convert_to_gguf(merged_dir, out / f"{stem}-{outtype}.gguf", outtype, llama_cpp_dir)
+        notes.append(f"GGUF {outtype} written by llama.cpp's Python converter (K-quants need its compiled "
+                     "llama-quantize)")
     hub_url = None
     if hub_repo is not None:
         found = find_hub_token(token)
@@ -150,7 +167,7 @@ def export_adapter(
         else:
             hub_url = _push(adapter_dir, hub_repo, found, hub_private)
             notes.append(f"pushed to {hub_url} with the token from {found.source}")
-    return ExportResult(step, adapter_dir, zip_path, merged_dir, hub_url, tuple(notes))
+    return ExportResult(step, adapter_dir, zip_path, merged_dir, gguf_path, hub_url, tuple(notes))
 
 
 async def export_model(

@@ -43,6 +43,8 @@ class ExportView:
         ]
         if r.merged_dir is not None:
             items.append(f"<li>merged 16-bit model: <code>{html.escape(str(r.merged_dir))}</code></li>")
+        if r.gguf_path is not None:
+            items.append(self._link(r.gguf_path, "GGUF for llama.cpp / Ollama (download)"))
         if r.hub_url:
             items.append(f"<li>Hugging Face Hub: <a href='{html.escape(r.hub_url, quote=True)}' target='_blank'>"
                          f"{html.escape(r.hub_url)}</a></li>")
