@@ -31,11 +31,12 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
         "reward": trajectory.reward,
         "metrics": trajectory.metrics,
         "metadata": trajectory.metadata,
+        # The conversation however it was built (by hand, or captured calls: Trajectory.conversation).
         "messages": trajectory.messages(),
         # Which messages the model sampled (a Choice) and which were written into the prompt: the viewer
         # labels an assistant turn that the model did not play (an example in the prompt).
-        "sampled": [isinstance(item, Choice) for item in trajectory.messages_and_choices],
-        "tools": trajectory.tools,
+        "sampled": trajectory.sampled(),
+        "tools": trajectory.conversation_tools(),
         "logs": trajectory.logs,
     }
     if trajectory.additional_histories:

@@ -37,6 +37,7 @@ from pydantic import (
 from .capture import CapturedCall
 from .capture import hooks as capture_hooks
 from .capture import scope as capture_scope
+from .capture.conversation import captured_conversation, captured_tools
 from .messages import (
     Choice,
     MessageOrChoice,
@@ -121,16 +122,33 @@ class Trajectory(BaseModel):
 
     @model_validator(mode="after")
     def _tool_results_answer_calls(self) -> Trajectory:
-        check_tool_ids(self.messages())
+        # What the rollout wrote; a captured conversation is the server's record, not checked again here.
+        check_tool_ids([choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices])
         if self.exchanges and (self.messages_and_choices or self.additional_histories):
             raise ValueError("a trajectory holds either captured calls (exchanges, from `with Trajectory()`) or "
                              "messages_and_choices/additional_histories, not both: the same model calls would be "
                              "trained twice; build it one way")
         return self
 
+    def conversation(self) -> list[MessageOrChoice]:
+        """The conversation as messages and Choices, however the trajectory was built: its
+        `messages_and_choices`, or for captured calls the one they record (the last request's messages,
+        each reply the model sampled as its Choice; art_nb.capture.conversation). Every view reads
+        this (records, viewer, datasets, RULER); training reads `exchanges` when there are any."""
+        return captured_conversation(self.exchanges) if self.exchanges else list(self.messages_and_choices)
+
+    def conversation_tools(self) -> list[dict[str, Any]] | None:
+        """The tools offered with `conversation()`: `tools`, or for captured calls those of the last request."""
+        return self.tools if self.tools is not None or not self.exchanges else captured_tools(self.exchanges)
+
     def messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain dicts (Choices turned into assistant messages)."""
-        return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]
+        """The conversation as plain dicts (Choices turned into assistant messages); see `conversation`."""
+        return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.conversation()]
+
+    def sampled(self) -> list[bool]:
+        """Per message of `messages()`, whether the model sampled it (a Choice) rather than it being
+        written into the prompt (a dict, e.g. an example turn)."""
+        return [isinstance(m, Choice) for m in self.conversation()]
 
     def __enter__(self) -> Self:
         capture_hooks.install()  # once per HTTP library, for those imported by now
@@ -142,7 +160,7 @@ class Trajectory(BaseModel):
         self.finish()
 
     def choices(self) -> list[Choice]:
-        return [m for m in self.messages_and_choices if isinstance(m, Choice)]
+        return [m for m in self.conversation() if isinstance(m, Choice)]
 
     def log(self, message: str) -> None:
         """Keep a note with the rollout (shown with it in the run's records)."""
@@ -166,13 +184,13 @@ class Trajectory(BaseModel):
     def for_logging(self) -> dict[str, Any]:
         """A JSON-ready view, each message marked `trainable` (it is a sampled Choice) or not."""
         messages = [{**(choice_to_message(m) if isinstance(m, Choice) else m), "trainable": isinstance(m, Choice)}
-                    for m in self.messages_and_choices]
+                    for m in self.conversation()]
         return {"reward": self.reward, "initial_policy_version": self.initial_policy_version,
                 "final_policy_version": self.final_policy_version, "metrics": self.metrics,
-                "metadata": self.metadata, "messages": messages, "tools": self.tools, "logs": self.logs}
+                "metadata": self.metadata, "messages": messages, "tools": self.conversation_tools(), "logs": self.logs}
 
     def __str__(self) -> str:
-        return f"Trajectory(reward={self.reward:.3f}, messages={len(self.messages_and_choices)})"
+        return f"Trajectory(reward={self.reward:.3f}, messages={len(self.conversation())})"
 
     def __eq__(self, other: object) -> bool:
         """Equal when the content is: when the object was made (`start_time`) is not content, so a

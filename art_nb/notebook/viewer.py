@@ -136,14 +136,13 @@ class TrajectoryView:
 
 def show_trajectory(trajectory: Trajectory) -> TrajectoryView:
     """A rollout's conversation and reward, the way the dashboard shows it (for trying a rollout once).
-    Assistant turns that are not Choices (a worked example in the prompt) are labelled as such."""
-    from ..trajectory import Choice
-
+    Assistant turns that are not Choices (a worked example in the prompt) are labelled as such; a
+    rollout captured with any HTTP client shows the conversation its calls record."""
     return TrajectoryView({
         "reward": trajectory.reward,
         "metrics": dict(trajectory.metrics),
         "messages": trajectory.messages(),
-        "sampled": [isinstance(item, Choice) for item in trajectory.messages_and_choices],
+        "sampled": trajectory.sampled(),
         "group": "-",
     })
 
