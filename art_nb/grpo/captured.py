@@ -19,6 +19,15 @@ Refused, with a message that names the call and shows where the histories part:
 - a call with several choices that is not followed by a call continuing exactly one of them (a
   branch); for the last call only `n=1` is accepted;
 - calls to different models in one trajectory (use `art.no_capture()` around the other model).
+
+A reply cut at a stop string (`stop=[...]` in the request) is the one accepted rewrite: the server
+keeps in `token_ids` every id up to the one that completed the stop string, but cuts the text where
+the stop string begins, and the client sends back that cut text. When the next call's prompt extends
+the history only once the sampled ids are shortened to the longest prefix whose text lies inside the
+kept text, the trained segment ends there (those ids, with their logprobs, were sampled exactly in
+that context); the ids that spelled the stop string are dropped, and the kept text they left
+uncovered is prompt from the next call's ids. Counted as `stop_trimmed`. Nothing else is trimmed: an
+edit inside the kept text is still refused.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ class CapturedSequence:
     assistant_mask: list[bool]
     engine_logprobs: list[float]
     realigned: int
+    stop_trimmed: int = 0  # replies whose ids after a stop string's start were dropped (module docstring)
 
 
 def captured_sequence(tokenizer: Any, calls: list[CapturedCall]) -> CapturedSequence:
@@ -55,21 +65,61 @@ def captured_sequence(tokenizer: Any, calls: list[CapturedCall]) -> CapturedSequ
     ids: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
-    realigned = 0
+    realigned = trimmed = 0
+    sampled: list[int] = []  # the previous call's chosen ids, last in `ids`
     for k, call in enumerate(calls):
         prompt = call.prompt_token_ids
         start = 0
         if k > 0:
-            start, by_text = _continuation(tokenizer, ids, prompt, k)
+            try:
+                start, by_text = _continuation(tokenizer, ids, prompt, k)
+            except CaptureRefused:
+                keep = _kept_before_stop(tokenizer, sampled, _stops(calls[k - 1]))
+                if keep is None:
+                    raise
+                drop = len(sampled) - keep
+                try:
+                    start, by_text = _continuation(tokenizer, ids[: len(ids) - drop], prompt, k)
+                except CaptureRefused as refused:
+                    raise CaptureRefused(f"{refused}\n{_STOP_HINT.format(k=k - 1)}") from None
+                del ids[len(ids) - drop:], mask[len(mask) - drop:], logprobs[len(logprobs) - drop:]
+                trimmed += 1
             realigned += by_text
         ids += prompt[start:]
         mask += [False] * (len(prompt) - start)
         logprobs += [math.nan] * (len(prompt) - start)
         choice = _chosen(tokenizer, calls, k, ids)
+        sampled = choice.token_ids
         ids += choice.token_ids
         mask += [True] * len(choice.token_ids)
         logprobs += choice.logprobs if choice.logprobs is not None else [math.nan] * len(choice.token_ids)
-    return CapturedSequence(ids, mask, logprobs, realigned)
+    return CapturedSequence(ids, mask, logprobs, realigned, trimmed)
+
+
+_STOP_HINT = ("Call {k} asked for stop strings and its reply was cut at one, yet the history does not extend even "
+              "without the ids after the stop string's start: the client changed the kept text itself.")
+
+
+def _stops(call: CapturedCall) -> list[str]:
+    """The request's stop strings (OpenAI takes one string or a list)."""
+    stop = call.request.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    return [s for s in stops if isinstance(s, str) and s]
+
+
+def _kept_before_stop(tokenizer: Any, sampled: list[int], stops: list[str]) -> int | None:
+    """How many of `sampled` lie inside the text the server kept when it cut the reply at the first stop
+    string (as server/pipeline.py does, on text decoded without special tokens); None when no stop
+    string occurs in it, so there is nothing the server cut."""
+    text = tokenizer.decode(sampled, skip_special_tokens=True)
+    found = [text.find(s) for s in stops if s in text]
+    if not found:
+        return None
+    kept = text[: min(found)]
+    # From the longest prefix down: a prefix ending inside a multi-byte character decodes to U+FFFD,
+    # so "is a prefix of kept" is not monotone in the length.
+    return next(n for n in range(len(sampled), -1, -1)
+                if kept.startswith(tokenizer.decode(sampled[:n], skip_special_tokens=False)))
 
 
 def _one_model(calls: list[CapturedCall]) -> None:
@@ -92,8 +142,15 @@ def _chosen(tokenizer: Any, calls: list[CapturedCall], k: int, history: list[int
         raise CaptureRefused(f"captured call {k} (the last) sampled {len(choices)} choices (n={len(choices)}): "
                              "that is a branch, and one sequence trains one history; call with n=1, or keep "
                              "the calls of one branch (`trajectory.exchanges = [...]`)")
-    following = calls[k + 1].prompt_token_ids
-    matches = [c for c in choices if _extends(tokenizer, history + c.token_ids, following)]
+    following, stops = calls[k + 1].prompt_token_ids, _stops(calls[k])
+
+    def continued(c: CapturedChoice) -> bool:
+        if _extends(tokenizer, history + c.token_ids, following):
+            return True
+        keep = _kept_before_stop(tokenizer, c.token_ids, stops) if stops else None
+        return keep is not None and _extends(tokenizer, history + c.token_ids[:keep], following)
+
+    matches = [c for c in choices if continued(c)]
     if len(matches) != 1:
         raise CaptureRefused(f"captured call {k} sampled {len(choices)} choices and call {k + 1} continues "
                              f"{len(matches)} of them: a branch; keep the calls of one branch "

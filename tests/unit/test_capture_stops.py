@@ -1,0 +1,92 @@
+"""Captured rollouts that pass `stop=[...]`: the server cuts the text at the stop string but keeps the
+ids up to the one that completed it; the client sends the cut text back. grpo/captured.py ends the
+trained segment at the ids inside the kept text (exact: those ids were sampled in that context),
+and still refuses any other rewrite. Same scripted server as tests/unit/test_capture.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+import art_nb as art
+from art_nb.grpo.captured import CaptureRefused, captured_sequence
+from art_nb.grpo.tokens import tokenize_trajectory
+from tests.unit.test_capture import KEY, server, srv  # noqa: F401 - the module's server fixtures
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def stopped_rollout(srv: Any, stop: list[str] | None, edit: bool = False) -> None:
+    client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    for turn in range(2):
+        done = await client.chat.completions.create(model="agent", messages=messages, stop=stop)
+        content = done.choices[0].message.content or ""
+        if stop is None:  # the client cuts the text itself
+            content = content.split("\n\n")[0]
+        if edit:  # the client rewrites what the model wrote
+            content = content.upper()
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"again {turn}"}]
+    await client.close()
+
+
+def trained(seq: Any) -> tuple[list[int], list[float]]:
+    pairs = [(i, lp) for i, lp, m in zip(seq.input_ids, seq.engine_logprobs, seq.assistant_mask) if m]
+    return [i for i, _ in pairs], [lp for _, lp in pairs]
+
+
+@pytest.mark.parametrize("stop", ["\n\n", "ly 1"])  # at a token boundary, and inside the first word's token(s)
+async def test_a_reply_cut_at_a_stop_string_trains_up_to_the_kept_text(srv: Any, stop: str) -> None:
+    srv.engines["agent"].script = lambda prompt: f"reply {prompt.count('<|im_start|>user')}\n\nscratch work"
+    t = await art.trajectory(stopped_rollout(srv, [stop]))
+    tok = srv.engines["agent"].tokenizer
+    first, last = t.exchanges[0].choices[0], t.exchanges[1].choices[0]
+    kept = first.message["content"]
+    assert kept == "reply 1\n\nscratch work".split(stop)[0] and stop in tok.decode(first.token_ids)
+    seq = captured_sequence(tok, t.exchanges)
+    assert seq.stop_trimmed == 1
+    keep = max(n for n in range(len(first.token_ids) + 1) if kept.startswith(tok.decode(first.token_ids[:n])))
+    ids, logprobs = trained(seq)
+    assert ids == first.token_ids[:keep] + last.token_ids  # every trained id was sampled, in this order
+    assert logprobs == first.logprobs[:keep] + last.logprobs  # type: ignore[operator]
+    assert keep < len(first.token_ids)  # the ids that spelled the stop string are not trained
+    assert seq.input_ids == t.exchanges[1].prompt_token_ids + last.token_ids  # the context is the server's
+    at = len(t.exchanges[0].prompt_token_ids)
+    assert seq.input_ids[at: at + keep] == first.token_ids[:keep]  # each sampled id where it was sampled
+    assert tokenize_trajectory(tok, t, 10_000).retokenized_choices == 0
+
+
+async def test_an_edit_inside_the_kept_text_is_still_refused_and_says_so(srv: Any) -> None:
+    srv.engines["agent"].script = lambda prompt: "reply\n\nscratch"
+    t = await art.trajectory(stopped_rollout(srv, ["\n\n"], edit=True))
+    with pytest.raises(CaptureRefused, match="(?s)does not extend.*Call 0 asked for stop strings.*changed the kept"):
+        captured_sequence(srv.engines["agent"].tokenizer, t.exchanges)
+
+
+async def test_text_cut_by_the_client_without_a_stop_request_is_refused(srv: Any) -> None:
+    srv.engines["agent"].script = lambda prompt: "reply\n\nscratch"
+    t = await art.trajectory(stopped_rollout(srv, None))
+    with pytest.raises(CaptureRefused, match="does not extend") as refused:
+        captured_sequence(srv.engines["agent"].tokenizer, t.exchanges)
+    assert "stop strings" not in str(refused.value)
+
+
+async def test_several_choices_cut_at_a_stop_pick_the_one_continued(srv: Any) -> None:
+    srv.engines["agent"].script = lambda prompt: "same\n\nscratch"
+    client = openai.AsyncOpenAI(base_url=srv.base_url, api_key=KEY, max_retries=0)
+
+    async def rollout() -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        done = await client.chat.completions.create(model="agent", messages=messages, stop=["\n\n"], n=2)
+        messages += [{"role": "assistant", "content": done.choices[1].message.content},
+                     {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="agent", messages=messages, stop=["\n\n"])
+
+    t = await art.trajectory(rollout())
+    await client.close()
+    # Both choices are the same text, so both continue: a branch the ids cannot tell apart.
+    with pytest.raises(CaptureRefused, match="continues 2 of them"):
+        captured_sequence(srv.engines["agent"].tokenizer, t.exchanges)
