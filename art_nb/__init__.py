@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import dev, utils
+from . import dev, trajectories, utils  # ART code reaches art.trajectories.History
 from ._version import __version__
 from .backends.base import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
@@ -68,6 +68,7 @@ __all__ = [
     "limit_concurrency",
     "no_capture",
     "retry",
+    "trajectories",
     "trajectories_dataset",
     "trajectory",
     "trajectory_group",

@@ -71,7 +71,7 @@ def test_choices_round_trip_with_token_ids_and_logprobs(chatml_tokenizer):
 def test_additional_histories_keep_their_choices_over_the_wire(chatml_tokenizer):
     """A sub-agent's conversation (ART's additional_histories) is trained on too: its Choices must arrive as
     Choices, token ids included, not as plain dicts (they did: only the main conversation was tagged)."""
-    sub = art.trajectory.History(messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "green")])
+    sub = art.trajectories.History(messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "green")])
     trajectory = art.Trajectory(messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "blue")], reward=1.0,
                                 additional_histories=[sub])
     restored = trajectory_from_wire(json.loads(json.dumps(trajectory_to_wire(trajectory))))
