@@ -59,7 +59,7 @@ def test_q8_0_gguf_of_a_merged_lora_gives_the_merged_models_greedy_tokens(tmp_pa
     # q8_0 rounds each block of 32 weights to 8 bits: logits move by ~1 on a scale of ~40, argmax rarely.
     assert (want - got).abs().max() < 3.0, (want - got).abs().max()
     assert (want.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
-    greedy = dict(max_new_tokens=10, do_sample=False)
+    greedy = {"max_new_tokens": 10, "do_sample": False}
     assert loaded.generate(ids, **greedy)[0].tolist() == merged.generate(ids, **greedy)[0].tolist()
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     with torch.no_grad():  # the LoRA is in the file: the GGUF is nearer the merged model than the base is

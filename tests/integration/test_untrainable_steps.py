@@ -40,7 +40,7 @@ def history(model_dir) -> list[dict]:
 
 
 async def test_a_step_of_dict_turns_is_refused_before_anything_is_written(registered):
-    backend, model, model_dir = registered
+    _, model, model_dir = registered
     step = await model.get_step()
     lines = len(history(model_dir)) if (model_dir / "history.jsonl").exists() else 0
     groups = [art.TrajectoryGroup([await rollout(model, i, float(i), as_dict=True) for i in range(2)])]
@@ -52,7 +52,7 @@ async def test_a_step_of_dict_turns_is_refused_before_anything_is_written(regist
 
 
 async def test_a_step_with_some_dict_turns_trains_the_rest_and_records_the_count(registered, caplog):
-    backend, model, model_dir = registered
+    _, model, model_dir = registered
     step = await model.get_step()
     group = [await rollout(model, 1, 1.0, as_dict=False), await rollout(model, 2, 0.0, as_dict=False),
              await rollout(model, 3, 0.5, as_dict=True)]

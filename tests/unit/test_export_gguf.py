@@ -11,11 +11,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from test_export import checkpoint  # noqa: F401 - the tiny base model + LoRA checkpoint fixture
 
-import art_nb.export_gguf as export_gguf
+from art_nb import export_gguf
 from art_nb.export import export_adapter
 from art_nb.export_gguf import convert_to_gguf, find_converter, gguf_type
-from test_export import checkpoint  # noqa: F401 - the tiny base model + LoRA checkpoint fixture
 
 FAKE_CONVERTER = """
 import json, sys

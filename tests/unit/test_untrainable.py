@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import make_choice
 
 from art_nb.records import UNTRAINABLE_FIX, check_trainable
 from art_nb.trajectory import Trajectory, TrajectoryGroup
-from conftest import make_choice
 
 PROMPT = [{"role": "user", "content": "Say a colour."}]
 
