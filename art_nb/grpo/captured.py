@@ -33,9 +33,8 @@ edit inside the kept text is still refused.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 from dataclasses import dataclass
+from typing import Any
 
 from ..capture import CapturedCall, CapturedChoice
 

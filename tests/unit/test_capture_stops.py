@@ -14,9 +14,11 @@ import pytest
 import art_nb as art
 from art_nb.grpo.captured import CaptureRefused, captured_sequence
 from art_nb.grpo.tokens import tokenize_trajectory
-from tests.unit.test_capture import KEY, server, srv  # noqa: F401 - the module's server fixtures
+from tests.unit import test_capture
+from tests.unit.test_capture import KEY
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+server, srv = test_capture.server, test_capture.srv  # its scripted server, as fixtures here
 
 
 async def stopped_rollout(srv: Any, stop: list[str] | None, edit: bool = False) -> None:

@@ -19,14 +19,21 @@ import art_nb as art
 from art_nb.capture import CapturedCall, CapturedChoice
 from art_nb.grpo.captured import captured_sequence
 from art_nb.grpo.tokens import tokenize_trajectory
-from art_nb.notebook.viewer import conversation_html, conversation_text, read_records, show_trajectory
+from art_nb.notebook.viewer import (
+    conversation_html,
+    conversation_text,
+    read_records,
+    show_trajectory,
+)
 from art_nb.records import record_groups
 from art_nb.rewards import ruler_score_group
 from art_nb.rewards.ruler_judge import Judge
 from art_nb.store import ModelStore, trajectory_files
-from tests.unit.test_capture import KEY, check_exact, server, srv  # noqa: F401 - the module's server fixtures
+from tests.unit import test_capture
+from tests.unit.test_capture import KEY, check_exact
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+server, srv = test_capture.server, test_capture.srv  # its scripted server, as fixtures here
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
                                            "parameters": {"type": "object", "properties": {}}}}]
