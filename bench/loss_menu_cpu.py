@@ -28,14 +28,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, Results, loadavg  # noqa: E402
+import torch
+from _common import ROOT, Results, loadavg
 
-import torch  # noqa: E402
-
-from art_nb.config import TrainConfig  # noqa: E402
-from art_nb.grpo.advantages import PreparedBatch, group_advantages  # noqa: E402
-from art_nb.grpo.step import grpo_step  # noqa: E402
-from art_nb.grpo.tokens import TokenizedTrajectory  # noqa: E402
+from art_nb.config import TrainConfig
+from art_nb.grpo.advantages import PreparedBatch, group_advantages
+from art_nb.grpo.step import grpo_step
+from art_nb.grpo.tokens import TokenizedTrajectory
 
 VOCAB, PROMPT, COMPLETION, TARGET, END = 100, 4, 8, 10, 90
 GROUPS, PER_GROUP = 8, 8
