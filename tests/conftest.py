@@ -36,6 +36,26 @@ def _file_rank(item: pytest.Item) -> tuple[int, int]:
     return 1, place
 
 
+# Files whose tests share no module fixture and each take minutes: under --dist loadfile each of their
+# tests is a work unit of its own, so both workers share them (the five ART programs, ~25 s each).
+_SPLIT_PER_TEST = ("compat/test_examples.py",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001 (xdist's own Producer type)
+    """--dist loadfile, except that the files in `_SPLIT_PER_TEST` are handed out a test at a time."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileOrTestScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path.removeprefix("tests/") in _SPLIT_PER_TEST else path
+
+    return FileOrTestScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under xdist only: longest files first (a stable sort, so a file's own order is kept). A plain
     run keeps pytest's order, which is the one the suite has always passed in."""
