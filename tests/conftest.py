@@ -12,14 +12,15 @@ import pytest
 # handed out in collection order; giving out the longest first keeps one worker from starting a
 # 2-minute file while the other has nothing left. Seconds per file on a 2-core CPU, the slowest
 # first (fresh-clone CI logs, 2026-12-01): notebooks ~170 (two kernels), install cell ~130, compat
-# ~120, browser ~115, vLLM CPU ~95; then the integration and fault files; the unit files, each a few
-# seconds, fill the end. New files go after the listed ones, in their directory's place.
+# ~120 (a test at a time, below), browser ~115, vLLM CPU ~60 + ~35; then the integration and fault
+# files; the unit files, each a few seconds, fill the end. New files go after the listed ones, in their directory's place.
 _LONGEST_FIRST = (
     "notebooks/test_notebooks.py",
     "notebooks/test_install_cell.py",
     "compat/test_examples.py",
     "ui/test_dashboard_ui.py",
     "vllm_cpu/test_vllm_engine_cpu.py",
+    "vllm_cpu/test_vllm_backend_cpu.py",
     "integration/test_local_backend.py",
     "integration/test_remote_backend.py",
     "faults/test_http_hardening.py",
@@ -42,7 +43,7 @@ _SPLIT_PER_TEST = ("compat/test_examples.py",)
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001 (xdist's own Producer type)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """--dist loadfile, except that the files in `_SPLIT_PER_TEST` are handed out a test at a time."""
     if config.getvalue("dist") != "loadfile":
         return None
