@@ -49,8 +49,12 @@ def executed(tmp_path_factory):
     # The kernels inherit this: the tiny model resolves from its offline copy, no hub round trip.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
+    # Made here, not in the threads: pytest creates its base directory on first use, and two threads
+    # doing so at once race (FileExistsError with an explicit --basetemp).
+    workdirs = {name: tmp_path_factory.mktemp(name) for name in CASES}
+
     def run(name: str) -> tuple[Path, int, str, float]:
-        workdir = tmp_path_factory.mktemp(name)
+        workdir = workdirs[name]
         parameters = {**SMALL, **CASES[name][1], "ART_PATH": str(workdir / ".art"), "OUTPUT_DIR": str(workdir / "out")}
         started = time.perf_counter()
         done = subprocess.run([sys.executable, str(NBRUN), name, json.dumps(parameters), str(workdir)],
