@@ -74,7 +74,7 @@ def tokenize_sft(tokenizer: Any, trajectory: Trajectory, max_seq_len: int,
     the caller drops it. With `assistant_turns="last"` only the last run of label tokens is kept.
     """
     messages = trajectory.messages()
-    view = _LabelView([_as_label(item) for item in trajectory.messages_and_choices], messages, trajectory.tools)
+    view = _LabelView([_as_label(item) for item in trajectory.conversation()], messages, trajectory.conversation_tools())
     tokenized = tokenize_trajectory(tokenizer, view, max_seq_len=10**9)  # type: ignore[arg-type]  # duck-typed view
     tokenized.truncated = len(tokenized.input_ids) > max_seq_len
     if assistant_turns == "last":

@@ -201,7 +201,7 @@ async def ruler_score_group(
     if any(t.additional_histories for t in group.trajectories):
         raise ValueError("RULER scores one conversation per trajectory; additional_histories are not supported")
     trajectories = [_copy(t) for t in group.trajectories]
-    tool_sets = [t.tools for t in trajectories]
+    tool_sets = [t.conversation_tools() for t in trajectories]  # captured calls carry theirs
     tools = tool_sets[0] if tool_sets and all(ts == tool_sets[0] for ts in tool_sets) else None
     try:
         scores = await ruler([t.messages() for t in trajectories], judge_model, extra_litellm_params, rubric,

@@ -154,3 +154,23 @@ async def test_the_wire_form_is_unchanged() -> None:
     reply = CapturedChoice(token_ids=[5], finish_reason="stop", message={"role": "assistant", "content": "A"})
     wire = trajectory_to_wire(art.Trajectory(exchanges=[_call([user], reply)]))
     assert wire["messages_and_choices"] == [] and len(wire["exchanges"]) == 1
+
+
+async def test_sft_and_truncation_masking_read_the_captured_conversation(srv: Any) -> None:
+    """SFT labels a captured trajectory's sampled replies (it used to see no assistant turn), and
+    mask_truncated_completions sees a captured last call that stopped at the token limit."""
+    from art_nb.grpo.advantages import prepare_batch
+    from art_nb.grpo.sft import tokenize_sft
+
+    t = await captured(srv)
+    tok = srv.engines["agent"].tokenizer
+    labelled = tokenize_sft(tok, t, 10_000)
+    labels = [i for i, m in zip(labelled.input_ids, labelled.assistant_mask) if m]
+    assert labels and tok.decode(labels).count("the sum is 5") == 1
+
+    other = await captured(srv, "add 1 and 4")
+    other.reward = 0.0
+    other.exchanges[-1].choices[0].finish_reason = "length"  # the last call ran out of tokens
+    config = art.TrainConfig(mask_truncated_completions=True)
+    batch = prepare_batch([art.TrajectoryGroup([t, other])], tok, config, max_seq_len=10_000)
+    assert batch.masked_truncated == 1 and len(batch.items) == 1
