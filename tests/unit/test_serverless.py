@@ -315,3 +315,12 @@ async def test_art_style_train_arguments_reach_the_job(fake, tmp_path, chatml_to
     result = await backend.train(model, make_groups(chatml_tokenizer), learning_rate=3e-6)
     assert result.step == 1
     assert fake.calls("POST", "/v1/preview/training-jobs")[0]["body"]["experimental_config"]["learning_rate"] == 3e-6
+
+
+def test_losses_the_service_has_no_name_for_are_refused_before_sending() -> None:
+    from art_nb.backends.serverless.api import experimental_config
+
+    assert experimental_config(art.TrainConfig(loss="ppo"))["ppo"] is True
+    for loss in ("dapo", "dr_grpo", "gspo"):
+        with pytest.raises(ValueError, match="LocalBackend only"):
+            experimental_config(art.TrainConfig(loss=loss))

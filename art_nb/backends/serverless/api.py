@@ -63,7 +63,14 @@ def art_group(group: TrajectoryGroup) -> dict[str, Any]:
 
 
 def experimental_config(config: TrainConfig) -> dict[str, Any]:
-    """TrainConfig as the service's RL knobs (what it has no knob for stays local)."""
+    """TrainConfig as the service's RL knobs (what it has no knob for stays local).
+
+    The service trains with ART's losses (CISPO, PPO); the rest of art_nb's menu runs locally only, and
+    is refused here rather than sent as a name the service would reject or, worse, read as another loss.
+    """
+    if config.loss not in ("cispo", "ppo"):
+        raise ValueError(f"loss={config.loss!r} runs on LocalBackend only; the hosted service trains with "
+                         "loss='cispo' or loss='ppo'")
     return {
         "learning_rate": config.learning_rate,
         "loss_fn": config.loss,
