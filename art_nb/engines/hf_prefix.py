@@ -53,10 +53,11 @@ def default_budget(device: torch.device) -> int:
     or a bigger GPU standing in for a T4) rather than of the whole device.
     """
     if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index  # torch wants an index
         fraction = 1.0
         if hasattr(torch.cuda, "get_per_process_memory_fraction"):  # third-party: absent before torch 2.6
-            fraction = min(1.0, float(torch.cuda.get_per_process_memory_fraction(device)))
-        return int(torch.cuda.get_device_properties(device).total_memory * fraction * CUDA_SHARE)
+            fraction = min(1.0, float(torch.cuda.get_per_process_memory_fraction(index)))
+        return int(torch.cuda.get_device_properties(index).total_memory * fraction * CUDA_SHARE)
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no sysconf (Windows): assume a modest machine
