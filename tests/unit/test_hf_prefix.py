@@ -185,3 +185,28 @@ async def test_prefill_chunks_group_by_work_needed() -> None:
     assert [len(c) for c in prefill_chunks(rows)] == [6]  # by length alone: 5 x 500 padded vs 2,400 real, one forward
     big = _rows([seq(i * 10_000, PREFILL_TOKENS // 2) for i in range(3)])
     assert [len(c) for c in prefill_chunks(big)] == [2, 1]  # the token budget still splits
+
+
+def test_the_gpu_budget_asks_torch_with_a_device_index(monkeypatch) -> None:
+    """torch.device("cuda") has no index, and torch's memory-fraction getter refuses it (ValueError):
+    the T4 configuration's register failed on the H200 until the budget passed an index."""
+    import types
+
+    import torch
+
+    from art_nb.engines.hf_prefix import CUDA_SHARE, default_budget
+
+    asked: list[object] = []
+
+    def fraction(index: object) -> float:
+        asked.append(index)
+        if not isinstance(index, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{index}")
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(total_memory=16 * 2**30))
+    assert default_budget(torch.device("cuda")) == int(16 * 2**30 * 0.5 * CUDA_SHARE)
+    assert default_budget(torch.device("cuda", 0)) == int(16 * 2**30 * 0.5 * CUDA_SHARE)
+    assert asked == [0, 0]
