@@ -60,9 +60,9 @@ async def test_concurrent_registers_of_one_model_load_it_once(tiny_model_dir: Pa
     loads: list[str] = []
     real_load = runtime_module.Runtime._load
 
-    async def counting_load(self, model):
+    async def counting_load(self, model, *args):
         loads.append(model.name)
-        return await real_load(self, model)
+        return await real_load(self, model, *args)
 
     monkeypatch.setattr(runtime_module.Runtime, "_load", counting_load)
     backend = art.LocalBackend(path=tmp_path)
