@@ -34,7 +34,7 @@ _log = logging.getLogger("art_nb")
 GgufType = Literal["q8_0", "f16", "bf16", "f32"]
 GGUF_TYPES: tuple[str, ...] = ("q8_0", "f16", "bf16", "f32")
 """What the Python converter writes without compiled llama.cpp. q8_0 is the default: half of f16's size,
-and its greedy tokens match the 16-bit model's on SmolLM2 (tests/integration/test_export_gguf.py)."""
+and its greedy tokens match the 16-bit model's on SmolLM2 (tests/integration/test_export_gguf_real.py)."""
 
 CONVERTER_RELEASE = "llama-cpp-python==0.3.36"
 """The source distribution the converter is taken from (its vendor/llama.cpp)."""

@@ -3,7 +3,7 @@ converter -> loaded back by transformers (`gguf_file=`) and compared with the me
 
 About 4 minutes on 2 busy CPU cores (conversion ~35 s; transformers dequantises q8_0 in Python, ~60 s+), and
 it needs the converter (LLAMA_CPP_DIR, the cache, or a 76 MB pip download), so it runs only when
-ART_NB_TEST_GGUF=1: `ART_NB_TEST_GGUF=1 pytest tests/integration/test_export_gguf.py`.
+ART_NB_TEST_GGUF=1: `ART_NB_TEST_GGUF=1 pytest tests/integration/test_export_gguf_real.py`.
 """
 
 from __future__ import annotations

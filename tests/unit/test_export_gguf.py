@@ -1,5 +1,5 @@
 """GGUF export up to and around the converter call, with a stand-in converter script (the real one runs
-in tests/integration/test_export_gguf.py): type choice, where the converter is found, what is taken
+in tests/integration/test_export_gguf_real.py): type choice, where the converter is found, what is taken
 out of the downloaded sdist, the file written next to the adapter, and failures that say what to do."""
 
 from __future__ import annotations
