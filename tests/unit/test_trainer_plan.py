@@ -140,3 +140,21 @@ def test_a_stopped_step_changes_nothing_and_says_so(tiny_dir):
     after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert trainer._optimizer is not None and not trainer._optimizer.state
+
+
+def test_the_float16_plan_trains_with_a_loss_scaler_that_survives_a_checkpoint(tiny_dir, tmp_path):
+    """A T4's float16 plan: the trainer keeps a GradScaler (float32 LoRA weights over the float16 base),
+    every step reports its scale, and a checkpoint carries the scale so a resumed run does not start over
+    from 65536 and skip steps to find it again."""
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan("float16"))
+    assert trainer._scaler is not None
+    assert {p.dtype for p in trainer.model.parameters() if p.requires_grad} == {torch.float32}
+    metrics = trainer.train_step(groups(trainer.tokenizer), TrainConfig(learning_rate=1e-3))
+    assert metrics["grad_scale"] > 0 and metrics["trajectories"] == 4
+    trainer._scaler.update(1024.0)  # as if overflows had lowered it
+    trainer.save(tmp_path / "ckpt")
+
+    resumed = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan("float16"))
+    resumed.load(tmp_path / "ckpt")
+    assert resumed._scaler.get_scale() == 1024.0
+    assert PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan("float32"))._scaler is None
