@@ -35,7 +35,8 @@ CASES = {
     # notebook: (model name in the notebook, extra parameters)
     "tic_tac_toe": ("tic-tac-toe", {"EVAL_GAMES": 2}),
     "2048": ("game-2048", {"EVAL_GAMES": 2, "MAX_TURNS": 3}),
-    "custom_rollout": ("my-task", {"EVAL_SCENARIOS": 2}),
+    # The custom notebook runs its SFT warm start too: its checkpoint is step 1, GRPO then takes step 2.
+    "custom_rollout": ("my-task", {"EVAL_SCENARIOS": 2, "SFT_WARM_START": True}),
 }
 
 
@@ -87,7 +88,11 @@ def test_notebook_runs_top_to_bottom(name, executed):
 
     # A summary with the reward of every step, and the curve.
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["step"] for s in summary["steps"]] == list(range(STEPS))
+    sft = CASES[name][1].get("SFT_WARM_START", False)
+    assert [s["step"] for s in summary["steps"]] == list(range(1 if sft else 0, STEPS))
+    if sft:
+        said = "".join(output_text(o) for o in outputs(notebook, find_cell(notebook, "model.train_sft(")))
+        assert "SFT: now at step 1" in said, said
     assert all(math.isfinite(s["reward"]) and s["reward_min"] <= s["reward"] <= s["reward_max"] for s in summary["steps"])
     assert summary["served_step"] == STEPS and summary["checkpoint"] == str(last)
     assert str(STEPS) in summary["evals"]  # the trained model's evaluation was logged
@@ -105,7 +110,7 @@ def test_notebook_runs_top_to_bottom(name, executed):
     fallback = [o for o in training if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
                 and "image/png" in o.get("data", {})]
     assert len(fallback) == 1
-    assert f"{STEPS} steps with rewards" in fallback[0]["data"]["text/plain"]
+    assert f"{STEPS - sft} steps with rewards" in fallback[0]["data"]["text/plain"]  # the SFT step has none
     # "Talk to your model": the base model and the trained LoRA both answered the prompt.
     talk = "".join(output_text(o) for o in outputs(notebook, find_cell(notebook, "PROMPT = ")))
     assert f"base model ({model_name}@0):" in talk and f"trained LoRA ({model_name}@{STEPS}):" in talk
