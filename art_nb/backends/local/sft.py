@@ -13,20 +13,19 @@ Non-finite weights: put back on the last checkpoint, the step does not advance, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from ... import events
-from ...records import record_groups, record_metrics
+from ...records import record_groups
 from ...sft_config import TrainSFTConfig
 from ...trajectory import Trajectory, TrajectoryGroup
 from ...types import LocalTrainResult, ProgressCallback, TrainResult
-from .commit import settle, start_commit
+from .commit import settle
 from .state import ModelState, StepControl
-from .step import _guarded, _serve, _stage
+from .step import finish, guarded, publish, run_to_the_end
 
 if TYPE_CHECKING:
     from ...server import InferenceGate
@@ -49,20 +48,8 @@ async def train_sft(state: ModelState, gate: InferenceGate, trajectories: list[T
         await asyncio.to_thread(functools.partial(record_groups, skip_recorded=False), state.store,
                                 state.model_name, SFT_SPLIT, state.step, [TrajectoryGroup(trajectories)])
         control = StepControl()
-        update = asyncio.ensure_future(_update(state, gate, trajectories, config, control, _guarded(on_progress), started))
-        try:
-            result = await asyncio.shield(update)
-        except asyncio.CancelledError:  # as in step.train: stop the trainer, hold the lock until it settles
-            control.stop.set()
-            if not control.training:
-                update.cancel()
-            while not update.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({update})
-            if not update.cancelled() and update.exception() is not None:
-                _log.error("the interrupted SFT call failed: %r", update.exception())
-            raise
-        return result
+        return await run_to_the_end(
+            _update(state, gate, trajectories, config, control, guarded(on_progress), started), control, "SFT call")
 
 
 async def _update(state: ModelState, gate: InferenceGate, trajectories: list[Trajectory], config: TrainSFTConfig,
@@ -87,23 +74,7 @@ async def _update(state: ModelState, gate: InferenceGate, trajectories: list[Tra
         if unchanged:
             _log.warning("SFT from step %d %s", step, unchanged)
             return LocalTrainResult(step=step, metrics=metrics, checkpoint_path=str(state.store.checkpoint_dir(step)))
-        mark = time.perf_counter()
-        try:
-            staged, write_state = await asyncio.to_thread(_stage, state, new_step)
-        except Exception:
-            await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
-            raise
-        state.step = new_step
-        timings["time/save"] = time.perf_counter() - mark
-        try:
-            await _serve(state, new_step, staged)
-        finally:
-            state.commit = start_commit(state, new_step, staged, write_state)
+        await publish(state, new_step, timings)
     finally:
         gate.resume()
-    timings["time/step_total"] = time.perf_counter() - started
-    metrics = {**metrics, **timings}
-    await asyncio.to_thread(record_metrics, state.store, SFT_SPLIT, step, metrics)
-    checkpoint = str(state.store.checkpoint_dir(new_step))
-    events.emit("train_finished", model=state.model_name, step=new_step, metrics=metrics, checkpoint=checkpoint, sft=True)
-    return LocalTrainResult(step=new_step, metrics=metrics, checkpoint_path=checkpoint)
+    return await finish(state, SFT_SPLIT, step, {**metrics, **timings}, started, sft=True)

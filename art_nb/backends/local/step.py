@@ -14,8 +14,9 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ... import events
 from ...config import TrainConfig
@@ -28,7 +29,9 @@ from .state import ModelState, StepControl, TrainingStoppedError
 if TYPE_CHECKING:
     from ...server import InferenceGate
 
-__all__ = ["train"]
+__all__ = ["finish", "guarded", "publish", "run_to_the_end", "train"]
+
+T = TypeVar("T")
 
 _log = logging.getLogger("art_nb")
 
@@ -55,25 +58,33 @@ async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryG
         await asyncio.to_thread(functools.partial(record_groups, skip_recorded=False), state.store,
                                 state.model_name, "train", state.step, groups)
         control = StepControl()
-        update = asyncio.ensure_future(
-            _update(state, gate, groups, config, control, _guarded(on_progress), reported, started))
-        try:
-            result = await asyncio.shield(update)
-        except asyncio.CancelledError:
-            # Interrupted. Not training yet (e.g. waiting for requests to drain): just cancel.
-            # Training: ask the trainer to stop; it abandons the step unless the optimizer has
-            # already stepped, in which case the step is saved. Hold the lock until it settles.
-            control.stop.set()
-            if not control.training:
-                update.cancel()
-            while not update.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({update})
-            if not update.cancelled() and update.exception() is not None:
-                _log.error("the interrupted train step failed: %r", update.exception())
-            raise
+        result = await run_to_the_end(
+            _update(state, gate, groups, config, control, guarded(on_progress), reported, started), control,
+            "train step")
         assert result is not None  # only an interrupted step is abandoned
         return result
+
+
+async def run_to_the_end(update: Coroutine[Any, Any, T], control: StepControl, what: str) -> T:
+    """Run a step's update, and on an interrupt stop it the way the step can be stopped.
+
+    Not training yet (e.g. waiting for requests to drain): just cancel. Training: ask the trainer to
+    stop; it abandons the update unless the optimizer has already stepped, in which case it is saved.
+    Either way the caller (holding the train lock) waits until the update has settled, then re-raises.
+    """
+    task = asyncio.ensure_future(update)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        control.stop.set()
+        if not control.training:
+            task.cancel()
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("the interrupted %s failed: %r", what, task.exception())
+        raise
 
 
 async def _update(state: ModelState, gate: InferenceGate, groups: list[TrajectoryGroup], config: TrainConfig,
@@ -98,32 +109,46 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
         if metrics.get("nonfinite_weights"):  # the update itself went bad: back to the last good weights
             await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
         _count_nonfinite(state, metrics, config)
-        mark = time.perf_counter()
-        try:
-            staged, write_state = await asyncio.to_thread(_stage, state, new_step)
-        except Exception:
-            # The update exists only in memory: go back to the last checkpoint so the trainer,
-            # the disk and the served adapter agree; the next step starts from there.
-            await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
-            raise
-        state.step = new_step  # served from the staged adapter now; on disk once the commit lands
-        timings["time/save"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        try:
-            await _serve(state, new_step, staged)
-        finally:  # only now: the engine has read the staged files, and the commit renames them
-            state.commit = start_commit(state, new_step, staged, write_state)
-        timings["time/swap"] = time.perf_counter() - mark
+        await publish(state, new_step, timings)
     finally:
         gate.resume()
-    timings["time/step_total"] = time.perf_counter() - started
-    metrics = {**metrics, **timings}
-    # The update made from step `step`'s rollouts; its weights are served as `new_step`.
-    await asyncio.to_thread(record_metrics, state.store, "train", step, metrics)
-    state.train_metrics = metrics
-    checkpoint = str(state.store.checkpoint_dir(new_step))
-    events.emit("train_finished", model=state.model_name, step=new_step, metrics=metrics, checkpoint=checkpoint)
-    return LocalTrainResult(step=new_step, metrics=metrics, checkpoint_path=checkpoint)
+    result = await finish(state, "train", step, {**metrics, **timings}, started)
+    state.train_metrics = dict(result.metrics)
+    return result
+
+
+async def publish(state: ModelState, new_step: int, timings: dict[str, float]) -> None:
+    """Stage the trainer's update as checkpoint `new_step`, serve it, and start finishing the checkpoint
+    in the background; `state.step` becomes `new_step`. Called with requests held."""
+    step = state.step
+    mark = time.perf_counter()
+    try:
+        staged, write_state = await asyncio.to_thread(_stage, state, new_step)
+    except Exception:
+        # The update exists only in memory: go back to the last checkpoint so the trainer,
+        # the disk and the served adapter agree; the next step starts from there.
+        await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
+        raise
+    state.step = new_step  # served from the staged adapter now; on disk once the commit lands
+    timings["time/save"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    try:
+        await _serve(state, new_step, staged)
+    finally:  # only now: the engine has read the staged files, and the commit renames them
+        state.commit = start_commit(state, new_step, staged, write_state)
+    timings["time/swap"] = time.perf_counter() - mark
+
+
+async def finish(state: ModelState, split: str, step: int, metrics: dict[str, float], started: float,
+                 **event: Any) -> LocalTrainResult:
+    """Record the metrics of the update made from step `step` (served as `state.step` now) under `split`
+    and announce it; the result the caller returns."""
+    metrics = {**metrics, "time/step_total": time.perf_counter() - started}
+    await asyncio.to_thread(record_metrics, state.store, split, step, metrics)
+    checkpoint = str(state.store.checkpoint_dir(state.step))
+    events.emit("train_finished", model=state.model_name, step=state.step, metrics=metrics, checkpoint=checkpoint,
+                **event)
+    return LocalTrainResult(step=state.step, metrics=metrics, checkpoint_path=checkpoint)
 
 
 def _stage(state: ModelState, step: int) -> tuple[Path, Any]:
@@ -156,7 +181,7 @@ def _count_nonfinite(state: ModelState, metrics: dict[str, float], config: Train
     metrics["nonfinite_in_row"] = float(state.nonfinite_in_row)
 
 
-def _guarded(on_progress: ProgressCallback | None) -> ProgressCallback | None:
+def guarded(on_progress: ProgressCallback | None) -> ProgressCallback | None:
     """The caller's progress callback, called from the trainer's thread; its failure never fails the step."""
     if on_progress is None:
         return None
