@@ -141,6 +141,17 @@ def make_choice(tokenizer, text: str, *, eos: bool = True, tool_calls=None, send
     return Choice.model_validate(data)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core box threads make them 30x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def chatml_tokenizer():
     return build_chatml_tokenizer()

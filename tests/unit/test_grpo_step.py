@@ -20,12 +20,8 @@ VOCAB = 100
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core box threads make them 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(threads)
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

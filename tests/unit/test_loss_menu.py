@@ -17,20 +17,12 @@ from art_nb.grpo.losses import (
     policy_log_ratio,
     trajectory_divisors,
 )
-
-MASK = torch.tensor([[True, True, True], [True, True, False]])
-ADVANTAGES = torch.tensor([1.0, -2.0])
-LOG_RATIO = torch.log(torch.tensor([[1.0, 1.5, 0.5], [1.0, 1.5, 0.5]]))
-
-
-def logprobs() -> torch.Tensor:
-    return torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5]], requires_grad=True)
-
-
-def old(lp: torch.Tensor) -> torch.Tensor:
-    out = (lp - LOG_RATIO).detach()
-    out[1, 2] = math.nan  # masked: must not leak into the loss
-    return out
+from tests.unit.test_losses import (  # the same hand-checked batch
+    ADVANTAGES,
+    MASK,
+    logprobs,
+    old,
+)
 
 
 def batch_loss(per_token: torch.Tensor, aggregation: str, constant: int = 4) -> torch.Tensor:

@@ -18,11 +18,8 @@ VOCAB = 100
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(threads)
 
 
 def labelled_text(tokenizer, item: TokenizedTrajectory) -> list[str]:

@@ -29,12 +29,8 @@ T4 = Hardware(in_colab=True, cpu_count=2, gpu_name="Tesla T4", gpu_capability=(7
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core box threads make them 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
