@@ -14,8 +14,8 @@ import torch
 from conftest import make_choice
 from pydantic import ValidationError
 from test_grpo_step import (  # noqa: F401
+    _one_thread,
     lora_weights,
-    one_thread,
     sequence,
     tiny_llama,
     with_engine_logprobs,
