@@ -114,10 +114,8 @@ def record_groups(store: ModelStore, model_name: str, split: str, step: int, gro
 def has_choice(trajectory: Trajectory) -> bool:
     """Whether any conversation of `trajectory` (the main one or an additional history) holds a Choice:
     without one it has no sampled token, so nothing of it can be trained."""
-    if any(choice.token_ids for call in trajectory.exchanges for choice in call.choices):  # captured calls
-        return True
     return any(isinstance(item, Choice) for history in [trajectory, *trajectory.additional_histories]
-               for item in history.messages_and_choices)
+               for item in history.conversation())  # captured calls are Choices there too
 
 
 def check_trainable(groups: list[TrajectoryGroup]) -> int:

@@ -77,6 +77,11 @@ class History(BaseModel):
         check_tool_ids(self.messages())
         return self
 
+    def conversation(self) -> list[MessageOrChoice]:
+        """Its messages and Choices: the same accessor as `Trajectory.conversation`, so code reading
+        either kind of history asks one way."""
+        return list(self.messages_and_choices)
+
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as plain dicts (Choices turned into assistant messages)."""
         return [choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices]

@@ -146,6 +146,5 @@ def _check_vocabulary(ids: list[int], vocab_size: int, where: str) -> None:
 
 def _stopped_at_length(history: Trajectory | History) -> bool:
     """Whether the conversation's last Choice ended at the token limit rather than on its own."""
-    items = history.conversation() if isinstance(history, Trajectory) else history.messages_and_choices  # captured too
-    choices = [item for item in items if isinstance(item, Choice)]
+    choices = [item for item in history.conversation() if isinstance(item, Choice)]  # captured calls too
     return bool(choices) and choices[-1].finish_reason == "length"
