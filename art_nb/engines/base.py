@@ -20,6 +20,7 @@ __all__ = [
     "SamplingParams",
     "GenerationRequest",
     "Sample",
+    "AdapterWeights",
 ]
 
 T = TypeVar("T")
@@ -70,6 +71,20 @@ class Sample:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A PEFT LoRA adapter held in memory: what the trainer hands the engine on a step's hot path.
+
+    The same content `save_pretrained` writes (`tensors` under the keys of adapter_model.safetensors,
+    `config` as adapter_config.json), so an engine that cannot take tensors may still read the files
+    once the checkpoint is on disk. The tensors are a private CPU copy: the trainer's own weights
+    change at the next step, and the engine may keep these as long as it serves them.
+    """
+
+    tensors: dict[str, Any]  # name -> torch.Tensor on CPU
+    config: dict[str, Any]
+
+
 @runtime_checkable
 class Engine(Protocol):
     """An async inference engine. Every method is called from the backend's event loop.
@@ -104,8 +119,14 @@ class Engine(Protocol):
         """`request.params.n` samples for one prompt. Concurrent calls should share batches."""
         ...
 
-    async def load_adapter(self, name: str, path: Path) -> None:
-        """Make the PEFT adapter in `path` servable as `name` (replacing any adapter of that name)."""
+    async def load_adapter(self, name: str, path: Path, weights: AdapterWeights | None = None) -> None:
+        """Make the PEFT adapter in `path` servable as `name` (replacing any adapter of that name).
+
+        With `weights` the engine serves those tensors and must not need `path` yet: a train step
+        hands its update over in memory, and the checkpoint reaches `path` in the background. `path`
+        is still where the same adapter will be on disk (an engine may re-read it from there later,
+        once the checkpoint has landed).
+        """
         ...
 
     async def unload_adapter(self, name: str) -> None:
