@@ -28,6 +28,7 @@ import weakref
 from typing import Any
 
 from ..web import ApiError
+from .encode import encode
 from .schema import ChatCompletionRequest
 
 __all__ = ["render_prompt", "special_token_texts"]
@@ -96,7 +97,7 @@ def _encode(tokenizer: Any, text: str, as_text: bool = False) -> list[int]:
     # The template already wrote BOS and the role markers; tokenising must not add them again.
     if as_text:
         return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode(tokenizer, text)
 
 
 def _map_strings(value: Any, fn: Any) -> Any:
