@@ -53,6 +53,10 @@ class ModelConfig(BaseModel):
         "cache of shared prompt prefixes (a conversation's earlier turns, a group's shared prompt); 0 turns it off; "
         "None: 10% of RAM on CPU, 5% of the GPU memory this process may use")
     gpu_memory_utilization: float | None = Field(None, gt=0, lt=1, description="vLLM's share; None = auto")
+    vllm_startup: Literal["fast", "compiled", "eager"] | None = Field(
+        None, description="how vLLM starts on a GPU: 'fast' (no torch.compile, CUDA graphs for decoding only), "
+        "'compiled' (vLLM's default: slowest start, fastest decoding), 'eager' (no graphs); None: art_nb's "
+        "default, now 'fast'. The environment variable ART_NB_VLLM_STARTUP overrides it")
     sleep_during_training: bool | None = Field(
         None, description="put vLLM to sleep while a step trains; None = only when training would not fit beside it")
     seed: int = 0

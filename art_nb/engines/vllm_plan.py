@@ -1,19 +1,22 @@
 """The vLLM engine's arguments for a model, each automatic choice with the reason shown to the user.
 
 Decided here, once, before vLLM is built: the context length (the model's positions limit wins over
-`max_seq_len`), the LoRA rank slot, eager mode, and the memory: on a GPU, vLLM's share from the
-memory plan (which also says whether training fits beside an awake engine); on vLLM's CPU build, a
-KV cache sized in bytes. The dtype is not decided here: it comes from the backend's `Plan` (the one
+`max_seq_len`), the LoRA rank slot, how vLLM starts (startup.py: torch.compile and CUDA graphs), and
+the memory: on a GPU, vLLM's share from the memory plan (which also says whether training fits
+beside an awake engine); on vLLM's CPU build, a KV cache sized in bytes. The dtype is not decided here: it comes from the backend's `Plan` (the one
 owner of that choice), so engine and trainer logprobs agree.
 
-Pure apart from reading the accelerator's free memory when `memory` is not given (CUDA only).
+Pure apart from reading the accelerator's free memory when `memory` is not given (CUDA only), and
+reading the installed vLLM's source for the compilation keys it knows (startup.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +30,11 @@ from ..memory import (
     read_model_shape,
 )
 from .base import EngineError
+from .startup import startup_kwargs, startup_mode
 
-__all__ = ["VLLMSetup", "capped_memory", "engine_args"]
+__all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory"]
 
 _log = logging.getLogger("art_nb")
-_EAGER_ENV = "ART_NB_VLLM_ENFORCE_EAGER"
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
 # Adapters resident on the accelerator at once: the newest step, plus an older one a rollout may
 # still ask for by "{name}@{step}" while the swap happens.
@@ -55,8 +58,9 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
     """Everything vLLM is built with for `config`: what `VLLMEngine.create` and the benchmarks use.
 
     `dtype` is the `Plan`'s ("float32", "bfloat16", "float16"); None applies the plan's rule for this
-    device. `memory` is (free, total) accelerator bytes for the memory plan (CUDA only; None reads
-    the device). `enforce_eager=None` reads ART_NB_VLLM_ENFORCE_EAGER.
+    device. `memory` is (free, total) accelerator bytes for the memory plan (CUDA only; None: the
+    snapshot of `planned_memory`, else the device now). `enforce_eager=True` starts eager whatever
+    else is set; otherwise the start-up mode is chosen by `startup.startup_mode`.
     """
     if dtype is None:
         dtype, why = _default_dtype(config, on_cuda)
@@ -66,10 +70,7 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
     max_len, why = _max_model_len(model_path, config)
     if why:
         reasons.append(why)
-    if enforce_eager is None:
-        enforce_eager = os.environ.get(_EAGER_ENV, "").strip().lower() in {"1", "true", "yes"}
-        if enforce_eager:
-            reasons.append(f"enforce_eager: {_EAGER_ENV} is set (faster start, slower decoding)")
+    mode, why = startup_mode(config, enforce_eager)
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
         tokenizer=str(model_path),
@@ -80,16 +81,20 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
         max_lora_rank=next((r for r in _LORA_RANKS if r >= config.lora.rank), _LORA_RANKS[-1]),
         max_loras=_MAX_LORAS,
         max_cpu_loras=_MAX_CPU_LORAS,
-        enforce_eager=enforce_eager,
         enable_prefix_caching=True,
         logprobs_mode="raw_logprobs",
         disable_log_stats=True,
     )
+    start, start_reasons = startup_kwargs(mode, on_cuda, max(VLLM_STEP_TOKENS, max_len))
+    kwargs.update(start)
+    reasons.append(f"start-up {mode}: {why}")
+    reasons.extend(start_reasons)
     shape = read_model_shape(model_path)
     if not on_cuda:
         kv, why = _cpu_kv_cache(shape, _DTYPE_BYTES[dtype], config.max_batch_size * max_len, max_len)
         return VLLMSetup({**kwargs, "kv_cache_memory_bytes": kv}, [*reasons, why])
-    gpu_kwargs, gpu_reasons, train_awake = _gpu_share(model_path, config, shape, dtype, max_len, enforce_eager, memory)
+    gpu_kwargs, gpu_reasons, train_awake = _gpu_share(model_path, config, shape, dtype, max_len, mode != "eager",
+                                                      memory)
     return VLLMSetup({**kwargs, **gpu_kwargs}, reasons + gpu_reasons, train_awake)
 
 
@@ -133,7 +138,7 @@ def _cpu_kv_cache(shape: ModelShape | None, dtype_bytes: int, batch_tokens: int,
 
 
 def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, dtype: str, max_len: int,
-               enforce_eager: bool, memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool]:
+               cuda_graphs: bool, memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool]:
     """Sleep mode, step size and vLLM's memory share on a GPU, and whether training fits beside it awake."""
     reasons: list[str] = []
     free, total, device_total, cap_reason = _plannable_memory(memory)
@@ -145,7 +150,7 @@ def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, 
     plan = plan_gpu_memory(
         free, total, count_parameters(model_path), _DTYPE_BYTES[dtype], config.lora.rank, max_len,
         config.max_batch_size * max_len, config.load_in_4bit, shape=shape,
-        override=None if override is None else override / to_plan, cuda_graphs=not enforce_eager,
+        override=None if override is None else override / to_plan, cuda_graphs=cuda_graphs,
     )
     for warning in plan.warnings:
         _log.warning("memory: %s", warning)
@@ -167,10 +172,38 @@ def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, 
     return kwargs, reasons, train_awake
 
 
-def _plannable_memory(memory: tuple[int, int] | None) -> tuple[int, int, int, str | None]:
+MemorySnapshot = tuple[int, int, int, str | None]
+_SNAPSHOT: ContextVar[MemorySnapshot | None] = ContextVar("art_nb_vllm_memory", default=None)
+
+
+def memory_snapshot() -> MemorySnapshot:
+    """(free, total within this process's cap, device total, why capped), read from the device now."""
+    return _plannable_memory(None)
+
+
+@contextlib.contextmanager
+def planned_memory(snapshot: MemorySnapshot | None) -> Iterator[None]:
+    """Plan vLLM's share from `snapshot` (taken earlier) instead of the device's memory at build time.
+
+    Why: register builds the trainer before vLLM (backends/local/runtime.py says why) and the plan
+    budgets the resident trainer itself, so it must see the memory as it was before the trainer
+    loaded; read afterwards, the trainer would be counted twice. A context variable, because
+    `VLLMEngine.create` reads the memory through `engine_args` and takes no snapshot itself.
+    """
+    token = _SNAPSHOT.set(snapshot)
+    try:
+        yield
+    finally:
+        _SNAPSHOT.reset(token)
+
+
+def _plannable_memory(memory: tuple[int, int] | None) -> MemorySnapshot:
     """(free, total within this process's cap, device total, why capped) from `memory` or the device."""
     if memory is not None:
         return memory[0], memory[1], memory[1], None
+    snapshot = _SNAPSHOT.get()
+    if snapshot is not None:
+        return snapshot
     import torch
 
     free, device_total = torch.cuda.mem_get_info()

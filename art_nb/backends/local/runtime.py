@@ -25,6 +25,7 @@ from ...trajectory import Trajectory, TrajectoryGroup
 from ...types import ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 from ...web import is_loopback
 from . import step as train_step
+from .build import build
 from .commit import settle
 from .loop import BackgroundLoop
 from .phases import PhaseCallback, PhaseClock
@@ -223,13 +224,9 @@ class Runtime:
             for key, why in choices.items():
                 _log.info("%s: %s", key, why)
             engine_key = (str(resolved.path), plan.engine)
-            engine = self.engines.get(engine_key)
-            if engine is None:
-                clock.start(f"engine ({plan.engine})")
-                engine = await _create_engine(plan, resolved.path, model.backend_config)
-                self.engines[engine_key] = engine
-            clock.start(f"trainer ({plan.trainer})")
-            trainer = await asyncio.to_thread(_create_trainer, plan, resolved.path, model.backend_config)
+            engine, trainer = await build(plan, resolved.path, model.backend_config, clock, self.engines.get(engine_key),
+                                          _create_engine, _create_trainer)
+            self.engines[engine_key] = engine
         except BaseException:
             store.release_writer()
             raise
