@@ -264,7 +264,10 @@ def gpu_helpers() -> Any:
 
 
 def tokenizer_dir() -> Path:
-    """A folder with the SmolLM2 tokenizer: the GPU machine's converted GGUF, else art_nb's offline copy."""
+    """A folder with the SmolLM2 tokenizer: $ART_NB_GPU_MODEL, the GPU machine's converted GGUF, else
+    art_nb's offline copy."""
+    if os.environ.get("ART_NB_GPU_MODEL"):  # also where tests/gpu/conftest.py (it needs pytest) cannot load
+        return Path(os.environ["ART_NB_GPU_MODEL"])
     with contextlib.suppress(ImportError):
         found = gpu_helpers().real_model_dir()
         if found is not None:
@@ -312,6 +315,64 @@ def random_model_dir(shape: dict[str, Any], name: str, cache: Path | None = None
     return folder
 
 
+# ---- vLLM start-up modes -----------------------------------------------------------------------------
+
+# art_nb's ways to start vLLM (ModelConfig.vllm_startup): "fast" = full CUDA graphs for decode without
+# torch.compile (the default), "compiled" = vLLM's own default (torch.compile + graphs), "eager" = neither.
+STARTUP_MODES = ("fast", "compiled", "eager")
+STARTUP_ENV = "ART_NB_VLLM_STARTUP"
+# The EngineArgs keys that decide compilation and CUDA graphs: what a peer's engine must share to be comparable.
+GRAPH_KEYS = ("enforce_eager", "compilation_config")
+
+
+def startup_env(mode: str) -> dict[str, str]:
+    """Environment for a process that must start vLLM in `mode`, whichever switch this art_nb reads
+    (ART_NB_VLLM_STARTUP; before it existed, ART_NB_VLLM_ENFORCE_EAGER)."""
+    if mode not in STARTUP_MODES:
+        raise ValueError(f"startup mode {mode!r}; expected one of {', '.join(STARTUP_MODES)}")
+    return {STARTUP_ENV: mode, "ART_NB_VLLM_ENFORCE_EAGER": "1" if mode == "eager" else "0"}
+
+
+def startup_fields(mode: str) -> dict[str, str]:
+    """`ModelConfig` keywords for `mode`: the explicit field where this art_nb has it, else none (the env rules)."""
+    from art_nb.config import ModelConfig
+
+    return {"vllm_startup": mode} if "vllm_startup" in ModelConfig.model_fields else {}
+
+
+def graph_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The compile / CUDA-graph part of vLLM engine kwargs (to give a peer's engine the same setting)."""
+    return {k: v for k, v in kwargs.items() if k in GRAPH_KEYS or "cudagraph" in k}
+
+
+def graph_setting(vllm_config: Any) -> dict[str, Any]:
+    """What a built vLLM engine really runs with: eager or not, compile mode, CUDA-graph mode.
+
+    Read from the engine, not from the arguments, so a results file states the setting even where
+    a library (TRL, Unsloth) chose it.
+    """
+    # third-party: vLLM's config objects (names as in vLLM 0.25; absent ones read as None)
+    model = getattr(vllm_config, "model_config", None)
+    compilation = getattr(vllm_config, "compilation_config", None)
+
+    def name(value: Any) -> Any:
+        return getattr(value, "name", value if value is None or isinstance(value, (int, str)) else str(value))
+
+    return {"enforce_eager": getattr(model, "enforce_eager", None),
+            "compile_mode": name(getattr(compilation, "mode", None)),
+            "cudagraph_mode": name(getattr(compilation, "cudagraph_mode", None)),
+            "max_cudagraph_capture_size": getattr(compilation, "max_cudagraph_capture_size", None)}
+
+
+def describe_graphs(setting: dict[str, Any] | None) -> str:
+    """One phrase for a `graph_setting`: "eager", or the compile mode and CUDA-graph mode."""
+    if not setting:
+        return "unknown"
+    if setting.get("enforce_eager"):
+        return "eager"
+    return f"compile {setting.get('compile_mode')}, CUDA graphs {setting.get('cudagraph_mode')}"
+
+
 # ---- prompts and parts -------------------------------------------------------------------------------
 
 
@@ -340,10 +401,13 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def run_part(script: Path, part: str, argv: list[str], out_dir: Path, timeout_s: float,
-             env: dict[str, str] | None = None) -> dict[str, Any]:
+             env: dict[str, str] | None = None, name: str | None = None) -> dict[str, Any]:
     """Run one part of a GPU benchmark in its own process (all of its GPU memory goes back when it exits;
-    a crash there costs that part only) and return what it wrote to OUT/_parts/PART.json."""
-    path = out_dir / "_parts" / f"{part}.json"
+    a crash there costs that part only) and return what it wrote to OUT/_parts/NAME.json (NAME: the part's
+    name unless given, e.g. one per vLLM start-up mode; the child must write under the same name)."""
+    name = name or part
+    path = out_dir / "_parts" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     command = [sys.executable, str(script), "--part", part, *argv]
     try:
@@ -352,10 +416,10 @@ def run_part(script: Path, part: str, argv: list[str], out_dir: Path, timeout_s:
         code, tail = done.returncode, (done.stdout + done.stderr)[-6000:]
     except subprocess.TimeoutExpired as exc:
         code, tail = "timeout", f"part timed out after {timeout_s} s: " + _text(exc.stdout)[-3000:] + _text(exc.stderr)[-3000:]
-    (out_dir / "_parts" / f"{part}.log").write_text(tail)
+    (out_dir / "_parts" / f"{name}.log").write_text(tail)
     data = json.loads(path.read_text()) if path.exists() else {}
     if code != 0 and "error" not in data:
-        data["error"] = f"the {part} process ended with {code}"
+        data["error"] = f"the {name} process ended with {code}"
     if code != 0 or "error" in data:
         data.setdefault("log_tail", tail[-3000:])
     return data

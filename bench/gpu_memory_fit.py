@@ -3,7 +3,8 @@
 The configuration (art_nb/notebook/hardware.py, task "2048" on a GPU): 8 groups x 8 rollouts per step,
 max_seq_len 4096, LoRA rank 16 (alpha 32), here with the issue's Qwen2.5-3B-shaped model (RANDOM
 WEIGHTS, SmolLM2 tokenizer: no hub on the GPU machine) and the trainer in 4-bit (Unsloth, NF4); vLLM
-serves the bf16 weights and sleeps during the step, as on any GPU art_nb runs vLLM on.
+serves the bf16 weights, started as the notebook starts it (`--startup`, art_nb's default "fast": CUDA
+graphs for decode, which cost memory), and sleeps during the step when training would not fit beside it.
 
 The cap, in this one process: `torch.cuda.set_per_process_memory_fraction(cap / total)` before any
 allocation (bounds PyTorch's allocator: the trainer, and vLLM's activations), and vLLM's
@@ -11,7 +12,8 @@ allocation (bounds PyTorch's allocator: the trainer, and vLLM's activations), an
 rescaled to this GPU's total (vLLM's weights and KV cache live outside PyTorch's allocator). What
 is reported: device-wide used memory (total - free, what nvidia-smi shows), polled every 50 ms
 through registration, rollouts and one full train step (sleep, train, save, wake, LoRA load), and
-`torch.cuda.max_memory_reserved`. It fits when the polled peak stays under the cap.
+`torch.cuda.max_memory_reserved`; the headroom under the cap after register. It fits when the polled
+peak stays under the cap; issue 15's goal is a peak under 12 GiB.
 
 Rollouts are synthetic 2048 games through the OpenAI endpoint: the notebook's prompts and boards,
 turns of fixed length (`ignore_eos`), continued until the conversation nears max_seq_len, so the
@@ -21,7 +23,7 @@ notebook picks a 0.5B model there; this measures the vLLM + Unsloth path at 3B u
 
 On the GPU machine, from the repository root, after `source .gpu/bin/env.sh`:
 
-    python bench/gpu_memory_fit.py --out $OUT/bench            # ~5 min on an H200
+    python bench/gpu_memory_fit.py --out $OUT/bench            # ~6 min on an H200
     .venv-vllm/bin/python bench/gpu_memory_fit.py --quick --out /tmp/fit   # CPU dry run (no cap there)
 """
 
@@ -39,16 +41,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    STARTUP_MODES,
     GiB,
     GpuUsedPeak,
     Results,
     default_out_dir,
     gpu_memory,
     model_section,
+    startup_env,
+    startup_fields,
     weights_note,
 )
 
 LORA_RANK, LORA_ALPHA = 16, 32.0
+PEAK_GOAL_GIB = 12.0  # issue 15
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=defaults.groups_per_step)
     parser.add_argument("--group-size", type=int, default=defaults.rollouts_per_group)
     parser.add_argument("--turn-tokens", type=int, default=64, help="tokens per model turn (fixed)")
-    parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (more memory)")
+    parser.add_argument("--startup", choices=STARTUP_MODES, default="fast",
+                        help="how vLLM starts (art_nb's default 'fast' captures CUDA graphs: more memory)")
     args = parser.parse_args(argv)
     args.out = args.out or default_out_dir()
     args.notebook_defaults = {"max_seq_len": defaults.max_seq_len, "groups_per_step": defaults.groups_per_step,
@@ -94,7 +101,7 @@ def cap_share(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     used_before = total - free
     plan = plan_gpu_memory(
         cap - used_before, cap, count_parameters(model_dir), 2, LORA_RANK, args.max_seq_len,
-        64 * args.max_seq_len, True, shape=read_model_shape(model_dir), cuda_graphs=args.cuda_graphs,
+        64 * args.max_seq_len, True, shape=read_model_shape(model_dir), cuda_graphs=args.startup != "eager",
     )
     share = round(plan.gpu_memory_utilization * cap / total, 4)
     return {"cap_gib": args.cap_gib, "device_total_gib": round(total / GiB, 1),
@@ -129,8 +136,7 @@ async def rollout_2048(model: Any, seed: int, max_seq_len: int, turn_tokens: int
 async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> None:
     import art_nb as art
 
-    if not args.cuda_graphs:
-        os.environ["ART_NB_VLLM_ENFORCE_EAGER"] = "1"
+    os.environ.update(startup_env(args.startup))
     on_gpu = cuda()
     share = None
     if on_gpu:
@@ -140,7 +146,7 @@ async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> No
             entry["summary"] = f"torch capped at {args.cap_gib} GiB; vLLM share {share} of the device"
     config = art.ModelConfig(engine="vllm", trainer="unsloth" if on_gpu else "peft", load_in_4bit=on_gpu,
                              max_seq_len=args.max_seq_len, lora=art.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA),
-                             gpu_memory_utilization=share)
+                             gpu_memory_utilization=share, **startup_fields(args.startup))
     model = art.TrainableModel(name="fit", project="bench", base_model=str(model_dir), config=config)
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
     phases: dict[str, GpuUsedPeak] = {}
@@ -157,6 +163,8 @@ async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> No
                      engine_reasons=getattr(backend._state(model).engine, "reasons", []))
         memory = _memory(phases["register"])
         entry.update(memory)
+        if "peak_used_gib" in memory:
+            entry["headroom_gib"] = round(args.cap_gib - memory["peak_used_gib"], 2)
         entry["summary"] = f"registered in {entry['seconds']} s; peak used {memory.get('peak_used_gib')} GiB"
     groups: list[Any] = []
     with results.section("rollouts") as entry:
@@ -189,9 +197,11 @@ async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> No
 
             peak = max(peaks)
             entry.update(peak_used_gib=peak, cap_gib=args.cap_gib, fits=peak <= args.cap_gib,
+                         goal_gib=PEAK_GOAL_GIB, goal_met=peak < PEAK_GOAL_GIB,
                          torch_max_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2))
             entry["summary"] = f"peak device use {peak} GiB vs cap {args.cap_gib} GiB: " + \
-                               ("fits" if peak <= args.cap_gib else "DOES NOT FIT")
+                               ("fits" if peak <= args.cap_gib else "DOES NOT FIT") + \
+                               f"; goal < {PEAK_GOAL_GIB} GiB " + ("met" if peak < PEAK_GOAL_GIB else "MISSED")
         else:
             entry["summary"] = "no GPU: the dry run exercised the code path only"
     await backend.close()
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "group_size": args.group_size, "turn_tokens": args.turn_tokens,
                                 "lora_rank": LORA_RANK, "trainer": "unsloth, 4-bit (NF4)", "quick": args.quick,
                                 "notebook_defaults_2048_gpu": args.notebook_defaults,
-                                "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager"})
+                                "vllm_startup": args.startup})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is not None:
         asyncio.run(run(args, results, model_dir))

