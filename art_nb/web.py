@@ -22,6 +22,7 @@ Starlette is imported only when a response is built, so `is_loopback` works on a
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import re
@@ -141,6 +142,7 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+@functools.lru_cache(maxsize=64)  # asked for every request's bound address: parse it once
 def is_loopback(host: str) -> bool:
     """Whether only this machine can reach a server bound to `host` (no key needed there)."""
     if host == "localhost":

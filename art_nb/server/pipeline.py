@@ -16,8 +16,9 @@ because the trainer trains on ids, not on text, and those ids are what the polic
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
-import uuid
 import weakref
 from typing import Any
 
@@ -38,6 +39,10 @@ from .toolcalls import parse_tool_calls
 __all__ = ["completion", "generate", "render_prompt", "sampling_params"]
 
 _MIN_LOGPROB = -9999.0
+# Response ids: a random part per process and a counter; uuid4 per request read os.urandom each time
+# (a system call that hands the GIL over, with the engine's thread waiting for it).
+_ID_PREFIX = f"chatcmpl-{secrets.token_hex(8)}"
+_ID_COUNTER = itertools.count()
 
 
 def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: int) -> SamplingParams:
@@ -82,7 +87,7 @@ def completion(
     choices = [_choice(i, sample, req, tokenizer) for i, sample in enumerate(samples)]
     completion_tokens = sum(len(c["token_ids"]) for c in choices)
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": f"{_ID_PREFIX}{next(_ID_COUNTER):016x}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model_name,
@@ -135,7 +140,7 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
         "finish_reason": finish_reason,
         "logprobs": None,
         "token_ids": ids,
-        "token_logprobs": [max(lp, _MIN_LOGPROB) for lp in logprobs],  # JSON has no -inf
+        "token_logprobs": _clamped(logprobs),
     }
     if req.logprobs:
         texts = _token_texts(tokenizer)
@@ -154,6 +159,14 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
             })
         choice["logprobs"] = {"content": entries, "refusal": None}
     return choice
+
+
+def _clamped(logprobs: list[float]) -> list[float]:
+    """`logprobs` with -inf (and anything below) raised to -9999: JSON has no -inf. The list itself
+    when nothing needs it (the usual case; `min` is one C loop, a comprehension 128 Python calls)."""
+    if not logprobs or min(logprobs) >= _MIN_LOGPROB:
+        return logprobs
+    return [max(lp, _MIN_LOGPROB) for lp in logprobs]
 
 
 _TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, list[int]]]] = weakref.WeakKeyDictionary()

@@ -59,10 +59,12 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     if pattern is None:
         return _encode(tokenizer, _render(tokenizer, messages, tools))
     swapped: list[str] = []
-    sentinel = f"ARTNB{secrets.token_hex(8)}S"
+    sentinel = ""  # drawn at the first swap: nearly no request needs one, and os.urandom costs the GIL
 
     def swap(text: str) -> str:
         def one(match: re.Match[str]) -> str:
+            nonlocal sentinel
+            sentinel = sentinel or f"ARTNB{secrets.token_hex(8)}S"
             swapped.append(match.group())
             return f"{sentinel}{len(swapped) - 1}E"
 
