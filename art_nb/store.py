@@ -7,9 +7,9 @@
 
 A checkpoint is written into a hidden temporary sibling and renamed into place, so a crash at any
 moment leaves either the complete checkpoint or none: "latest" is never half-written. A training step
-stages the adapter first (the engine serves it from there) and finishes the checkpoint in the
-background, so a crash in that window leaves the previous step as the latest. Leftover
-temporaries from a crash are removed on the next open. Names are checked so nothing is ever written
+hands its adapter to the engine in memory and writes the whole checkpoint in the background, so a
+crash in that window leaves the previous step as the latest. Leftover temporaries from a crash are
+removed on the next open. Names are checked so nothing is ever written
 outside the model directory.
 
 Logs are append-only JSON lines, fsynced per append. A crash mid-append can leave a torn last line;
@@ -46,6 +46,7 @@ __all__ = [
     "model_dir",
     "read_jsonl",
     "trajectory_files",
+    "write_adapter",
 ]
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what an engine serves (PEFT's format)
@@ -183,33 +184,17 @@ class ModelStore:
     def checkpoint_dir(self, step: int) -> Path:
         return checkpoint_path(self.checkpoints, step)
 
-    def stage_checkpoint(self, step: int, write: Callable[[Path], None]) -> Path:
-        """Call `write(tmp_dir)` on a fresh temporary directory and return it, not yet a checkpoint.
+    def write_checkpoint(self, step: int, write: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Path:
+        """Call `write(tmp_dir)` to fill a temporary directory, then rename it to the step's directory.
 
-        The first half of a checkpoint written in two: an engine can serve the adapter from the
-        staged directory at once, while `write_checkpoint(..., staged=...)` adds the rest, makes it
-        durable and renames it into place in the background. Until then it is a temporary: a crash
-        leaves the previous checkpoint as the latest, and the next open removes the leftover.
+        Any failure (disk full included) removes the temporary and raises `CheckpointError`;
+        existing checkpoints are untouched.
         """
+        final = self.checkpoint_dir(step)
         tmp = self.checkpoints / f"{_TMP_PREFIX}{step:04d}-{os.getpid()}-{time.monotonic_ns()}"
         with self._removed_on_failure(tmp, step):
             tmp.mkdir()
             write(tmp)
-        return tmp
-
-    def write_checkpoint(self, step: int, write: Callable[[Path], None], meta: dict[str, Any] | None = None,
-                         *, staged: Path | None = None) -> Path:
-        """Call `write(tmp_dir)` to fill a temporary directory, then rename it to the step's directory.
-
-        `staged` is a directory from `stage_checkpoint` to finish instead of a new one. Any failure
-        (disk full included) removes the temporary and raises `CheckpointError`; existing
-        checkpoints are untouched.
-        """
-        final = self.checkpoint_dir(step)
-        tmp = staged or self.stage_checkpoint(step, write)
-        with self._removed_on_failure(tmp, step):
-            if staged is not None:
-                write(tmp)
             (tmp / META_FILE).write_text(json.dumps({"step": step, "time": time.time(), **(meta or {})}))
             for file in tmp.iterdir():
                 with open(file, "rb") as handle:
@@ -284,6 +269,19 @@ class ModelStore:
         path = self.trajectory_file(split, step)
         self._append_lines(path, records)
         return path
+
+
+def write_adapter(directory: Path, tensors: dict[str, Any], config: dict[str, Any]) -> None:
+    """Write a PEFT adapter held in memory as the files `save_pretrained` writes (ADAPTER_FILES).
+
+    `tensors` are CPU torch tensors under the state-dict keys PEFT saves, `config` the
+    adapter_config.json content: what a trainer hands an engine (engines.base.AdapterWeights).
+    Tensors may be views of one buffer, as long as they do not overlap.
+    """
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(directory / ADAPTER_FILES[0]), metadata={"format": "pt"})
+    (directory / ADAPTER_FILES[1]).write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _ends_with_newline(path: Path) -> bool:

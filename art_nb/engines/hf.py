@@ -40,6 +40,7 @@ from transformers import DynamicCache
 
 from . import hf_model
 from .base import (
+    AdapterWeights,
     ContextTooLongError,
     EngineDeadError,
     EngineError,
@@ -155,18 +156,19 @@ class HFEngine:
         self._wakeup.set()
         return await job.future
 
-    async def load_adapter(self, name: str, path: Path) -> None:
-        """Load the PEFT adapter in `path` as `name`; requests already submitted keep their weights."""
+    async def load_adapter(self, name: str, path: Path, weights: AdapterWeights | None = None) -> None:
+        """Load the PEFT adapter in `path`, or built from `weights` (then `path` is not read), as `name`;
+        requests already submitted keep their weights."""
         self._check_alive()
         path = Path(path)
-        if not (path / "adapter_config.json").is_file():
+        if weights is None and not (path / "adapter_config.json").is_file():
             raise EngineError(f"{path} is not a PEFT adapter directory (no adapter_config.json)")
         internal = self._adapters.new_internal()
-        await self._in_worker(self._load_peft, internal, path)
+        await self._in_worker(self._load_peft, internal, path, weights)
         self._adapters.bind(name, internal)
         self._wakeup.set()  # the scheduler deletes the adapter it replaced once unused
         logger.info("HF engine: adapter %s loaded", name)
-        logger.debug("HF engine: adapter %s read from %s", name, path)
+        logger.debug("HF engine: adapter %s %s", name, "handed over in memory" if weights else f"read from {path}")
 
     async def unload_adapter(self, name: str) -> None:
         self._check_alive()
@@ -414,8 +416,8 @@ class HFEngine:
         self.stats.tokens += len(rows)
         return tokens
 
-    def _load_peft(self, internal: str, path: Path) -> None:
-        self._model = hf_model.with_adapter(self._model, internal, path, self._device)
+    def _load_peft(self, internal: str, path: Path, weights: AdapterWeights | None) -> None:
+        self._model = hf_model.with_adapter(self._model, internal, path if weights is None else weights, self._device)
 
     def _delete_adapters(self, internals: list[str]) -> None:
         self.prefix_cache.drop_adapters(internals)

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .._compat import quiet_checkpointing_alias
+from .base import AdapterWeights
 
 __all__ = ["cache_keyword", "context_window", "eos_ids", "last_logits", "load", "move", "with_adapter",
            "without_adapters"]
@@ -65,16 +66,40 @@ def last_logits(model: Any, cache_keyword: str, adapter: str | None, ids: torch.
     return out.logits[:, -1].float()
 
 
-def with_adapter(model: Any, name: str, path: Path, device: torch.device) -> Any:
-    """`model` with the PEFT adapter in `path` added as `name` (the first one wraps it in a PeftModel)."""
+def with_adapter(model: Any, name: str, source: Path | AdapterWeights, device: torch.device) -> Any:
+    """`model` with a PEFT adapter added as `name` (the first one wraps it in a PeftModel): read from
+    the directory `source`, or built from the tensors in memory (a train step's hand-over: nothing is
+    read from disk, and the adapter's weights are those tensors, not a copy)."""
     from peft import PeftModel
 
     with torch.no_grad(), quiet_checkpointing_alias():
-        if _is_peft(model):
-            model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+        if not isinstance(source, AdapterWeights):
+            if _is_peft(model):
+                model.load_adapter(str(source), adapter_name=name, is_trainable=False)
+            else:
+                model = PeftModel.from_pretrained(model, str(source), adapter_name=name, is_trainable=False)
         else:
-            model = PeftModel.from_pretrained(model, str(path), adapter_name=name, is_trainable=False)
+            model = _inject(model, name, source)
         return model.to(device).eval()
+
+
+def _inject(model: Any, name: str, weights: AdapterWeights) -> Any:
+    """What `PeftModel.load_adapter` does after reading the files: an empty adapter slot (on the meta
+    device, so no random init), then the tensors assigned into it."""
+    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+
+    config = PeftConfig.from_peft_type(**weights.config)
+    config.inference_mode = True  # frozen, as loading with is_trainable=False
+    if _is_peft(model):
+        model.add_adapter(name, config, low_cpu_mem_usage=True)
+    else:
+        model = get_peft_model(model, config, adapter_name=name, low_cpu_mem_usage=True)
+    result = set_peft_model_state_dict(model, weights.tensors, adapter_name=name, low_cpu_mem_usage=True)
+    missing = [key for key in result.missing_keys if f".{name}." in key]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"adapter {name}: tensors do not fit its config (unexpected {result.unexpected_keys[:3]}, "
+                         f"missing {missing[:3]})")
+    return model
 
 
 def without_adapters(model: Any, names: list[str]) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..config import TrainConfig
+from ..engines.base import AdapterWeights
 from ..sft_config import TrainSFTConfig
 from ..trajectory import Trajectory, TrajectoryGroup
 from ..types import ProgressCallback
@@ -57,8 +58,16 @@ class Trainer(Protocol):
         """Write only the PEFT adapter: what an engine needs to serve the step."""
         ...
 
+    def adapter_weights(self) -> AdapterWeights:
+        """The adapter as `save_adapter` writes it (same keys, config), as private CPU copies: a step
+        hands these to the engine and writes them into the checkpoint later. Refuses (ValueError)
+        non-finite weights."""
+        ...
+
     def snapshot_state(self) -> Callable[[Path], None]:
-        """Copy optimizer/RNG state now; the returned function writes it into a directory later."""
+        """Copy what may change before the checkpoint is written (RNG: rollouts draw from it) now; the
+        returned function writes that with the optimizer state as it is when called. The optimizer
+        state changes only in the next update, so the caller must call it before the next update."""
         ...
 
     def load(self, directory: Path) -> None:

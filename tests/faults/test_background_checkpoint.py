@@ -1,8 +1,9 @@
 """The checkpoint a step writes in the background: off the step's path, and never silently lost.
 
-`train` returns once the new adapter is served from a staged directory; the optimizer state, the
-fsyncs and the rename land later, while the next rollouts run. These tests hold that background
-write at the store and check what a user sees meanwhile and afterwards, when it works and when it fails.
+`train` returns once the new adapter is served from memory; the checkpoint (adapter files, optimizer
+state, fsyncs, rename) lands later, while the next rollouts run. These tests hold that background
+write at the store and check what a user sees meanwhile and afterwards, when it works and when it
+fails, and that what it writes is the step it belongs to, not a later one.
 """
 
 from __future__ import annotations
@@ -13,31 +14,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import art_nb as art
-from art_nb.store import CheckpointError, ModelStore
+from art_nb.store import TRAINER_STATE, CheckpointError, ModelStore
 from faults.conftest import adapter_equals_checkpoint, gather_groups, tiny_trainable
 
 pytestmark = pytest.mark.slow
 
 
 class HeldCommit:
-    """Replaces `ModelStore.write_checkpoint` for staged checkpoints: waits for `release`, then writes or fails."""
+    """Replaces `ModelStore.write_checkpoint` for a step's checkpoint: waits for `release`, then writes or fails."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
         self.entered, self.release, self.fail = threading.Event(), threading.Event(), fail
         write = ModelStore.write_checkpoint
 
-        def held(store: ModelStore, step: int, *args: Any, staged: Path | None = None, **kwargs: Any) -> Path:
-            if staged is None:  # checkpoint 0 at register: not the one under test
+        def held(store: ModelStore, step: int, *args: Any, **kwargs: Any) -> Path:
+            if step == 0:  # checkpoint 0 at register: not the one under test
                 return write(store, step, *args, **kwargs)
             self.entered.set()
             assert self.release.wait(60), "never released"
             if self.fail:
                 def no_space(directory: Path) -> None:
                     raise OSError(errno.ENOSPC, "No space left on device")
-                return write(store, step, no_space, staged=staged)
-            return write(store, step, *args, staged=staged, **kwargs)
+                return write(store, step, no_space)
+            return write(store, step, *args, **kwargs)
 
         monkeypatch.setattr(ModelStore, "write_checkpoint", held)
 
@@ -60,7 +62,7 @@ async def test_train_returns_while_the_checkpoint_is_written_and_serves_the_new_
     client = model.openai_client()
     completion = await client.chat.completions.create(
         model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    assert completion.model == "background@1"  # served from the staged adapter
+    assert completion.model == "background@1"  # served from the tensors handed over in memory
     assert "background@1" in [m.id for m in (await client.models.list()).data]
 
     held.release.set()
@@ -88,3 +90,29 @@ async def test_a_failed_background_write_is_raised_by_the_next_train_after_rolli
     monkeypatch.undo()
     assert (await model.train(groups)).step == 1  # space is back: the step is taken again
     assert await backend.wait_for_checkpoint(model) == 1 and adapter_equals_checkpoint(state, 1)
+
+
+def optimizer_moments(trainer: Any) -> dict[int, dict[str, torch.Tensor]]:
+    return {index: {key: value.detach().clone() for key, value in moments.items() if key != "step"}
+            for index, moments in trainer._optimizer.state_dict()["state"].items()}
+
+
+async def test_the_checkpoint_holds_its_own_step_even_when_written_after_the_next_step_began(fresh, monkeypatch) -> None:
+    """The optimizer state is read by the background write, not copied when the step ends; that is
+    right only because the next step waits for the write. Here the write is held until after the next
+    `train` has started: the checkpoint must still hold step 1's moments and RNG, not step 2's."""
+    backend, model, state = fresh
+    held = HeldCommit(monkeypatch)
+    groups = await gather_groups(model, seed=4)
+    assert (await model.train(groups)).step == 1 and held.entered.wait(10)
+    after_first, rng_after_first = optimizer_moments(state.trainer), torch.get_rng_state()
+    torch.rand(1000)  # rollouts draw from the generator before the write lands
+    threading.Timer(0.5, held.release.set).start()  # released while the next train waits for it
+    assert (await model.train(await gather_groups(model, seed=5))).step == 2
+    assert any(not torch.equal(after_first[i][k], v) for i, m in optimizer_moments(state.trainer).items()
+               for k, v in m.items()), "the second step did not change the optimizer state"
+    saved = torch.load(state.store.checkpoint_dir(1) / TRAINER_STATE, weights_only=True)
+    for index, moments in after_first.items():
+        for key, value in moments.items():
+            assert torch.equal(saved["optimizer"]["state"][index][key], value), f"moment {index}/{key} is step 2's"
+    assert torch.equal(saved["torch_rng"], rng_after_first)

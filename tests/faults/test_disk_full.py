@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import peft.peft_model
 import pytest
 import torch
 from safetensors import SafetensorError
@@ -60,7 +59,7 @@ def full_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
         _write_part(filename, safetensors.torch.save(tensors, metadata=metadata))
         raise SafetensorError(f"Error while serializing: I/O error: {NO_SPACE} (os error 28)")
 
-    monkeypatch.setattr(peft.peft_model, "safe_save_file", save_file)
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)  # what store.write_adapter calls
 
 
 def full_trainer_state(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,8 +119,8 @@ async def test_disk_full_while_saving(where: str, served, monkeypatch: pytest.Mo
     with monkeypatch.context() as patch:
         FAULTS[where](patch)
         with pytest.raises(CheckpointError) as caught:
-            # The adapter is written before train returns; the rest of the checkpoint in the
-            # background, so a full disk there is reported by the wait (or by the next train).
+            # The checkpoint is written in the background (train hands the adapter over in memory),
+            # so a full disk is reported by the wait (or by the next train).
             await model.train(groups)
             await backend.wait_for_checkpoint(model)
     message = str(caught.value)

@@ -205,16 +205,16 @@ async def test_cancel_after_the_optimizer_stepped_finishes_and_saves_the_step(se
     step = state.step
     groups = await gather_groups(model, seed=20)
     hold = Hold()
-    save = state.trainer.save_adapter
+    copy = state.trainer.adapter_weights
 
-    def held_save(directory: Path) -> None:
+    def held_copy() -> Any:
         hold()
-        save(directory)
+        return copy()
 
-    state.trainer.save_adapter = held_save
+    state.trainer.adapter_weights = held_copy
     try:
         train = asyncio.ensure_future(model.train(groups))
-        await hold.wait_reached()  # the optimizer has stepped; the checkpoint is being written
+        await hold.wait_reached()  # the optimizer has stepped; the update is being handed over
         train.cancel()
         await asyncio.sleep(0.2)
         assert not train.done()
@@ -223,7 +223,7 @@ async def test_cancel_after_the_optimizer_stepped_finishes_and_saves_the_step(se
             await train
         assert state.step == step + 1, "the interrupt arrived before the finished step was recorded"
     finally:
-        del state.trainer.save_adapter
+        del state.trainer.adapter_weights
         hold.release.set()
     wait_for_commit(state)  # the rest of the checkpoint is written in the background
     assert state.store.latest_step() == step + 1

@@ -79,7 +79,6 @@ def install_kill_points() -> None:
     """Wrap the functions a training step goes through so each can be a kill point."""
     import pathlib
 
-    import peft.peft_model
     import safetensors.torch
     import torch
 
@@ -151,7 +150,7 @@ def install_kill_points() -> None:
             hit("meta")
         return write_text(self, *args, **kwargs)
 
-    save_file = peft.peft_model.safe_save_file
+    save_file = safetensors.torch.save_file  # the adapter's writer (store.write_adapter reads it at each call)
 
     def wrapped_save_file(tensors: dict[str, Any], filename: str, metadata: Any = None) -> None:
         hit("adapter")
@@ -200,8 +199,8 @@ def install_kill_points() -> None:
 
     load_adapter = HFEngine.load_adapter
 
-    async def wrapped_load_adapter(self: HFEngine, name: str, path: Path) -> None:
-        await load_adapter(self, name, path)
+    async def wrapped_load_adapter(self: HFEngine, name: str, path: Path, weights: Any = None) -> None:
+        await load_adapter(self, name, path, weights)
         hit("adapter_loaded")
 
     ModelStore.append_trajectories = wrapped_append_trajectories  # type: ignore[method-assign]
@@ -210,7 +209,7 @@ def install_kill_points() -> None:
     os.fsync = wrapped_fsync
     pathlib.Path.rename = wrapped_rename  # type: ignore[method-assign]
     pathlib.Path.write_text = wrapped_write_text  # type: ignore[method-assign]
-    peft.peft_model.safe_save_file = wrapped_save_file
+    safetensors.torch.save_file = wrapped_save_file
     torch.save = wrapped_save
     torch.Tensor.backward = wrapped_backward  # type: ignore[method-assign]
     torch.nn.utils.clip_grad_norm_ = wrapped_clip
@@ -324,7 +323,7 @@ async def disk_full_run(run_dir: Path, model_dir: Path) -> None:
 
     config = art.TrainConfig(learning_rate=LEARNING_RATE)
     await model.train(await gather(0), config=config)
-    writers = {"stage_checkpoint": ModelStore.stage_checkpoint, "write_checkpoint": ModelStore.write_checkpoint}
+    writers = {"write_checkpoint": ModelStore.write_checkpoint}
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
 
     def limited(write: Any) -> Any:

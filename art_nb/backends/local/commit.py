@@ -1,10 +1,14 @@
-"""The second half of a step's checkpoint, finished in the background while the next rollouts run.
+"""A step's checkpoint, written in the background while the next rollouts run.
 
-A train step stages the adapter (the engine serves it at once) and snapshots optimizer state; the
-rest (optimizer state written, meta, fsync, rename into place) runs in a thread here. Whoever next
-needs the checkpoint on disk (`train`, `wait_for_checkpoint`, `close`, interpreter exit) settles
-it: waits, and on failure puts trainer and served adapter back on the newest complete checkpoint
-so memory, disk and what is served agree, then raises `CheckpointError`.
+A train step hands its adapter to the engine in memory (`Trainer.adapter_weights`) and copies the
+RNG state; everything else runs in a thread here: the adapter files written from those same CPU
+tensors, the optimizer state written as it is (`Trainer.snapshot_state`), meta, fsync, rename into
+place. The optimizer state is read there, not copied on the step's path, which is safe because
+nothing changes the trainer until the commit has landed: every path that does (the next `train`
+or `train_sft`, a rollback, `trainer.load`, `delete_checkpoints`, `close`, interpreter exit, an
+engine replacement) settles it first. Settling waits, and on failure puts trainer and served
+adapter back on the newest complete checkpoint so memory, disk and what is served agree, then
+raises `CheckpointError`. A crash before the rename leaves the previous checkpoint as the latest.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...store import CheckpointError
+from ...engines.base import AdapterWeights
+from ...store import CheckpointError, write_adapter
 from .state import ModelState
 
 if TYPE_CHECKING:
@@ -27,12 +32,17 @@ __all__ = ["settle", "start_commit"]
 _log = logging.getLogger("art_nb")
 
 
-def start_commit(state: ModelState, step: int, staged: Path, write_state: Callable[[Path], None]) -> asyncio.Future[float]:
-    """Finish checkpoint `step` (optimizer state, meta, fsync, rename) in a thread, off the step's path."""
+def start_commit(state: ModelState, step: int, weights: AdapterWeights,
+                 write_state: Callable[[Path], None]) -> asyncio.Future[float]:
+    """Write checkpoint `step` (adapter from `weights`, trainer state, meta, fsync, rename) in a thread."""
+
+    def write(directory: Path) -> None:
+        write_adapter(directory, weights.tensors, weights.config)
+        write_state(directory)
 
     def commit() -> float:
         mark = time.perf_counter()
-        state.store.write_checkpoint(step, write_state, {"base_model": state.base_model}, staged=staged)
+        state.store.write_checkpoint(step, write, {"base_model": state.base_model})
         return time.perf_counter() - mark
 
     task = asyncio.ensure_future(asyncio.to_thread(commit))

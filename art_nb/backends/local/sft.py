@@ -2,7 +2,7 @@
 
 Settle the previous checkpoint; record the demonstrations (history split "sft", so the run's
 records say this step was supervised); hold new requests; let the engine arrange its memory and
-run `trainer.sft_step` over every batch; stage the adapter and serve it as the next step; finish
+run `trainer.sft_step` over every batch; hand the adapter to the engine as the next step; write
 the checkpoint in the background; let requests through. One call is one checkpoint, as in ART, so
 the next GRPO step and the served model continue from the SFT weights.
 

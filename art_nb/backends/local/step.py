@@ -3,8 +3,9 @@
 The choreography, in order: settle the previous checkpoint; record the rollouts (nothing lost: on
 disk before any weight changes); hold new requests (they wait, never fail); let the engine arrange
 its memory and run the trainer (`Engine.train_with`: sleeping, out-of-memory fallback and waking
-are the engine's business); stage the new adapter and serve it; finish the checkpoint in the
-background; let requests through. What happens when things go wrong is in backend.py's docstring.
+are the engine's business); hand the new adapter to the engine in memory; write the checkpoint in
+the background (commit.py); let requests through. What happens when things go wrong is in
+backend.py's docstring.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ... import events
 from ...config import TrainConfig
+from ...engines.base import AdapterWeights
 from ...records import UNTRAINABLE_FIX, check_trainable, record_groups, record_metrics
 from ...trajectory import TrajectoryGroup
 from ...types import LocalTrainResult, ProgressCallback, TrainResult
@@ -118,24 +120,29 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
 
 
 async def publish(state: ModelState, new_step: int, timings: dict[str, float]) -> None:
-    """Stage the trainer's update as checkpoint `new_step`, serve it, and start finishing the checkpoint
-    in the background; `state.step` becomes `new_step`. Called with requests held."""
+    """Serve the trainer's update as step `new_step` and start writing its checkpoint in the background;
+    `state.step` becomes `new_step`. Called with requests held.
+
+    The update reaches the engine in memory: `time/save` is the trainer's CPU copy of the adapter
+    (and RNG state), `time/swap` the engine taking it. Nothing is read from disk on this path; the
+    checkpoint (adapter files from the same copy, optimizer state, fsync, rename) is commit.py's.
+    """
     step = state.step
     mark = time.perf_counter()
     try:
-        staged, write_state = await asyncio.to_thread(_stage, state, new_step)
+        weights, write_state = await asyncio.to_thread(_copy_update, state)
     except Exception:
         # The update exists only in memory: go back to the last checkpoint so the trainer,
         # the disk and the served adapter agree; the next step starts from there.
         await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
         raise
-    state.step = new_step  # served from the staged adapter now; on disk once the commit lands
+    state.step = new_step  # served from memory now; on disk once the commit lands
     timings["time/save"] = time.perf_counter() - mark
     mark = time.perf_counter()
     try:
-        await _serve(state, new_step, staged)
-    finally:  # only now: the engine has read the staged files, and the commit renames them
-        state.commit = start_commit(state, new_step, staged, write_state)
+        await _serve(state, new_step, weights)
+    finally:  # whether or not the engine took it, the update is the trainer's now: make it durable
+        state.commit = start_commit(state, new_step, weights, write_state)
     timings["time/swap"] = time.perf_counter() - mark
 
 
@@ -151,15 +158,14 @@ async def finish(state: ModelState, split: str, step: int, metrics: dict[str, fl
     return LocalTrainResult(step=state.step, metrics=metrics, checkpoint_path=checkpoint)
 
 
-def _stage(state: ModelState, step: int) -> tuple[Path, Any]:
-    """Copy the trainer state to CPU, write the adapter into a staged directory (both quick)."""
-    write_state = state.trainer.snapshot_state()
-    return state.store.stage_checkpoint(step, state.trainer.save_adapter), write_state
+def _copy_update(state: ModelState) -> tuple[AdapterWeights, Callable[[Path], None]]:
+    """The adapter as CPU tensors, and the writer of the trainer state (its RNG copied now)."""
+    return state.trainer.adapter_weights(), state.trainer.snapshot_state()
 
 
-async def _serve(state: ModelState, step: int, adapter_dir: Path) -> None:
-    """Serve `step`'s adapter and drop the older ones from the engine (their files stay on disk)."""
-    await state.engine.load_adapter(state.adapter_name(step), adapter_dir)
+async def _serve(state: ModelState, step: int, weights: AdapterWeights) -> None:
+    """Serve `step`'s adapter from memory and drop the older ones from the engine (their files stay on disk)."""
+    await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step), weights=weights)
     state.loaded_adapters.add(step)
     for old in sorted(state.loaded_adapters - {step}):
         await state.engine.unload_adapter(state.adapter_name(old))
