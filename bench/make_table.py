@@ -116,7 +116,7 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
     lines = ["## Rollout throughput on GPU: art_nb's endpoint vs plain vLLM", ""]
     if not data:
         return lines + ["Not run yet (`bench/gpu_throughput.py`, on the H200).", ""]
-    if "startup" in data.get("sections", {}).get("comparison", {}):
+    if "startup" in data.get("settings", {}):  # issue-15 format (one table per vLLM start-up mode)
         return lines + gpu_throughput_by_startup(data)
     sections = data.get("sections", {})
     lines += [context(data), "", (f"Model: {data.get('weights')}. {data['settings']['completion_tokens']} tokens per "
@@ -168,13 +168,16 @@ THROUGHPUT_GOAL = 0.95  # issue 15: the endpoint >= 0.95x plain vLLM at 8, 64 an
 def gpu_throughput_by_startup(data: dict[str, Any]) -> list[str]:
     """The issue-15 format: one table per vLLM start-up mode; the endpoint without logprobs is the headline."""
     sections, st = data.get("sections", {}), data["settings"]
-    comparison = sections["comparison"]
+    comparison = sections.get("comparison", {"startup": {}})
     lines = [context(data), "", (f"Model: {data.get('weights')}. {st['completion_tokens']} tokens per request (fixed); "
              f"median tokens/s of {st['repeats']} runs (plain, endpoint) and {st.get('side_repeats', st['repeats'])} "
              "(the other modes). Both sides use the same engine arguments (art_nb's `engine_args` for the mode). "
              "**endpoint**: `chat.completions.create` as a user's rollout calls it (art_nb returns token ids and "
              "logprobs anyway); **+logprobs**: the same with `logprobs=True`; **direct**: `engine.generate`, no HTTP."), ""]
-    for mode, found in comparison["startup"].items():
+    if not comparison.get("startup"):
+        lines += ["No comparison yet: the run was cut short or is still going (sections: "
+                  + ", ".join(f"{k} {v.get('status', 'running')}" for k, v in sections.items()) + ").", ""]
+    for mode, found in comparison.get("startup", {}).items():
         graphs = describe_graphs(found.get("graph_setting"))
         same = found.get("same_graph_setting")
         lines += [f"### vLLM start-up \"{mode}\" ({graphs}{'' if same is not False else '; ENGINES DIFFER'})", "",
@@ -246,7 +249,8 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
                   f"{get('trained_tokens_per_s'):.0f} trained tokens/s; peak GPU memory used "
                   f"{art.get('peak_gpu_used_gib')} GiB."), ""]
     trl = sections.get("trl", {})
-    earlier = load(RESULTS, "gpu_step_run1")
+    # Before issue 15 a failed TRL side borrowed the previous run's; a run with start-up modes stands alone.
+    earlier = None if "vllm_startup" in st else load(RESULTS, "gpu_step_run1")
     if trl.get("status") != "ok" and earlier and earlier["sections"].get("trl", {}).get("status") == "ok":
         trl = earlier["sections"]["trl"]
         old_art = earlier["sections"].get("art", {}).get("step_stats", {})
@@ -262,7 +266,7 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
                   f"{trl.get('peak_gpu_used_gib')} GiB."), ""]
         if art.get("status") == "ok":
             art_s = art["step_stats"]["wall_s"]["mean"]
-            goal = "goal >= 1.3" if "step_goal_met" in verdict else "goal: art_nb faster, > 1"
+            goal = "goal >= 1.3" if "vllm_startup" in st else "goal: art_nb faster, > 1"
             missed = " **missed**" if verdict.get("step_goal_met") is False else ""
             lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** ({goal}){missed}.", ""]
     for key, label in (("overhead_goal_met", "overhead outside rollouts and training < 5%"),
@@ -392,15 +396,15 @@ def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
                     + ", ".join(f"{r['endpoint_over_plain']:.2f}" for r in ratios.values()) + " | >= 0.9 |")
     step = results.get("gpu_step")
     art = (step or {}).get("sections", {}).get("art", {})
-    earlier = load(RESULTS, "gpu_step_run1")
+    new_format = "vllm_startup" in (step or {}).get("settings", {})
+    earlier = None if new_format else load(RESULTS, "gpu_step_run1")
     trl = (step or {}).get("sections", {}).get("trl")
     when = ""
     if not trl and earlier:
         trl, when = earlier.get("sections", {}).get("trl", {}), " (previous run of the script)"
     if art.get("status") == "ok" and trl and trl.get("status") == "ok":
         a, t = art["step_stats"]["wall_s"]["mean"], trl["step_stats"]["wall_s"]["mean"]
-        goal = "> 1, overhead < 5%" if "step_goal_met" not in step["sections"].get("comparison", {}) else \
-            ">= 1.3, overhead < 5%"
+        goal = ">= 1.3, overhead < 5%" if new_format else "> 1, overhead < 5%"
         rows.append(f"| GRPO step, H200, 3B, 64 rollouts x 128 tokens | {a:.2f} s ({art['step_stats']['overhead_share']['mean']:.0%} "
                     f"overhead) | TRL colocated{when}: {t:.2f} s | {t / a:.2f} | {goal} |")
     t4 = (results.get("gpu_t4_vs_unsloth") or {}).get("sections", {}).get("comparison", {})
@@ -483,8 +487,8 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
             sections = data.get("sections", {})
             art = sections.get("art", {}).get("step_stats", {})
             trl = sections.get("trl", {}).get("step_stats", {})
-            earlier = load(RESULTS, "gpu_step_run1")
-            if not trl and earlier:  # TRL's side from the previous run (see RESULTS.md)
+            earlier = None if "vllm_startup" in data.get("settings", {}) else load(RESULTS, "gpu_step_run1")
+            if not trl and earlier:  # before issue 15: TRL's side from the previous run (see RESULTS.md)
                 trl = earlier["sections"].get("trl", {}).get("step_stats", {})
             parts = [("rollout_s", "rollouts"), ("time/pause", "pause+sleep"), ("time/train", "train"),
                      ("time/save", "save"), ("time/swap", "wake+LoRA")]
