@@ -243,7 +243,7 @@ def test_sigint_into_asyncio_run_cells(zygote: Zygote, tiny_model_dir: Path, tmp
     import os
 
     os.kill(pid, signal.SIGINT)
-    for point in ("backward", "adapter"):
+    for point in ("backward", "handover"):
         wait_for_event(run_dir, "holding", point=point)
         os.kill(pid, signal.SIGINT)
     assert zygote.wait(pid) == 0, zygote.log()

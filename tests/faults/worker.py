@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -84,6 +85,7 @@ def install_kill_points() -> None:
 
     from art_nb.engines.hf import HFEngine
     from art_nb.store import ModelStore
+    from art_nb.trainers.peft import PeftTrainer
 
     def torn_append(path: Path, records: list[dict[str, Any]], name: str) -> None:
         """What a crash mid-append leaves (power loss, full disk): half the text, no newline."""
@@ -197,12 +199,19 @@ def install_kill_points() -> None:
         hit("optimizer_stepped")
         return result
 
+    adapter_weights = PeftTrainer.adapter_weights
+
+    def wrapped_adapter_weights(self: PeftTrainer) -> Any:
+        hit("handover")  # the step's CPU copy of the update, on its path (the files come later)
+        return adapter_weights(self)
+
     load_adapter = HFEngine.load_adapter
 
     async def wrapped_load_adapter(self: HFEngine, name: str, path: Path, weights: Any = None) -> None:
         await load_adapter(self, name, path, weights)
         hit("adapter_loaded")
 
+    PeftTrainer.adapter_weights = wrapped_adapter_weights  # type: ignore[method-assign]
     ModelStore.append_trajectories = wrapped_append_trajectories  # type: ignore[method-assign]
     ModelStore.append_history = wrapped_append_history  # type: ignore[method-assign]
     ModelStore.write_checkpoint = wrapped_write_checkpoint  # type: ignore[method-assign]
@@ -323,30 +332,32 @@ async def disk_full_run(run_dir: Path, model_dir: Path) -> None:
 
     config = art.TrainConfig(learning_rate=LEARNING_RATE)
     await model.train(await gather(0), config=config)
-    writers = {"write_checkpoint": ModelStore.write_checkpoint}
+    write = ModelStore.write_checkpoint
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    step_done = threading.Event()
 
-    def limited(write: Any) -> Any:
-        def full_disk_write(self: ModelStore, *args: Any, **kwargs: Any) -> Path:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
-            try:
-                return write(self, *args, **kwargs)
-            finally:
-                resource.setrlimit(resource.RLIMIT_FSIZE, limits)
-
-        return full_disk_write
+    def full_disk_write(self: ModelStore, *args: Any, **kwargs: Any) -> Path:
+        # The limit is the whole process's: set it only once the step has returned (its history line
+        # written), while the background write is the only writer.
+        assert step_done.wait(60), "the step never returned"
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
+        try:
+            return write(self, *args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    for name, write in writers.items():
-        setattr(ModelStore, name, limited(write))
+    ModelStore.write_checkpoint = full_disk_write  # type: ignore[method-assign]
     error = ""
     try:
-        await model.train(await gather(1), config=config)
+        try:
+            await model.train(await gather(1), config=config)
+        finally:
+            step_done.set()
         await backend.wait_for_checkpoint(model)
     except CheckpointError as exc:
         error = str(exc)
-    for name, write in writers.items():
-        setattr(ModelStore, name, write)
+    ModelStore.write_checkpoint = write  # type: ignore[method-assign]
     state = backend._state(model)
     event("disk_full", error=error, step=await model.get_step(), trainer_matches_checkpoint=trainer_matches(state))
     result = await model.train(await gather(1), config=config)  # space is back: the next step works
@@ -421,7 +432,7 @@ def sigint_run(run_dir: Path, model_dir: Path) -> None:
     _hold = ("backward", 1, 3.0)  # inside the step, before the optimizer: interrupt abandons it
     _counts.clear()
     cell("train_interrupted_before_optimizer", lambda: train(0))
-    _hold = ("adapter", 1, 3.0)  # saving, after the optimizer stepped: the step completes
+    _hold = ("handover", 1, 3.0)  # handing the update over, after the optimizer stepped: the step completes
     _counts.clear()
     cell("train_interrupted_while_saving", lambda: train(0))
     _hold = None
