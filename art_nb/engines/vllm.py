@@ -10,13 +10,18 @@ build and restored after, which is what `vllm.LLM` runs on) and drive it from as
 
 - every vLLM call (build, add_request, step, LoRA, sleep/wake) runs on ONE dedicated thread, in
   submission order, so vLLM only ever sees a single caller and the event loop never blocks;
-- while requests are pending, a driver task keeps submitting `step()`; requests that arrive
-  between two steps join the running batch (continuous batching, as in vLLM's own server).
+- that thread (`vllm_thread.VLLMThread`) loops `step()` itself while requests are unfinished and
+  runs what was submitted between two steps: requests that arrive mid-batch join the running batch
+  (continuous batching, as in vLLM's own server), with no thread hop per step; finished outputs go
+  back to each waiter's event loop in one hop per step.
 
 Sampling returns the sampled token ids and their raw logprobs (`logprobs_mode="raw_logprobs"`:
 the model's distribution before temperature/top-p, which is what the trainer recomputes). Each
-`load_adapter` gets a fresh LoRA integer id, because vLLM caches adapters (and prefix-cache
-blocks) by id: reusing an id for new weights would serve the old ones.
+`load_adapter` gets a fresh LoRA integer id and a vLLM-side name made unique with it, because vLLM
+caches adapters by id and prefix-cache blocks by LoRA name (0.25; name and path in 0.32): reusing
+either for new weights would serve KV computed with the old ones. A train step hands its
+adapter over in memory (`load_adapter(..., weights=)`): vLLM builds it from those tensors
+(`vllm_lora`) and never reads the directory, where the checkpoint lands later in the background.
 
 Around a train step the engine arranges its own memory (`train_with`): it sleeps (level 1: KV
 cache freed, weights to CPU) unless the memory plan (`vllm_plan.engine_args`) says training fits
@@ -32,13 +37,14 @@ import gc
 import itertools
 import logging
 import os
+import shutil
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import ModelConfig
 from .base import (
+    AdapterWeights,
     ContextTooLongError,
     EngineDeadError,
     EngineError,
@@ -46,7 +52,9 @@ from .base import (
     Sample,
     SamplingParams,
 )
+from .vllm_lora import install, spill
 from .vllm_plan import VLLMSetup, capped_memory, engine_args
+from .vllm_thread import VLLMThread
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -63,22 +71,25 @@ class VLLMEngine:
 
     _live = 0  # engines built and not closed, in this process
 
-    def __init__(self, engine: Any, worker: ThreadPoolExecutor, tokenizer: Any, max_context: int,
+    def __init__(self, engine: Any, thread: VLLMThread, tokenizer: Any, max_context: int,
                  on_cuda: bool, reasons: list[str], train_awake: bool = False) -> None:
         self._engine = engine
         # The memory plan's answer: training fits beside the awake engine. Turned off for good by
         # the first out-of-memory error while training beside it (`train_with`).
         self._train_awake = train_awake
-        self._worker = worker
+        self._thread = thread
+        # Looked up on every step, not bound once: a benchmark may wrap `engine.step` to time it.
+        thread.attach(lambda: engine.step(), dead=self._error_if_dead, died=self._died)
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.reasons = reasons
         self._on_cuda = on_cuda
-        self._pending: dict[str, asyncio.Future[Any]] = {}
-        self._driver: asyncio.Task[None] | None = None
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
         self._adapters: dict[str, Any] = {}  # name -> LoRARequest
+        self._held: dict[int, AdapterWeights] = {}  # LoRA id -> weights vLLM builds it from (vllm_lora)
+        self._spilled: dict[int, Path] = {}  # LoRA id -> temporary directory, where memory cannot be used
+        self._from_memory: bool | None = None  # whether vLLM takes adapters from memory; None: not tried yet
         self._asleep = False
         self._dead: BaseException | None = None
         self._closed = False
@@ -110,12 +121,11 @@ class VLLMEngine:
         reasons = list(setup.reasons)
         for reason in reasons:
             _log.info("vLLM: %s", reason)
-        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="art_nb-vllm")
-        loop = asyncio.get_running_loop()
+        thread = VLLMThread()
         try:
-            engine = await loop.run_in_executor(worker, _build_engine, setup.kwargs)
+            engine = await thread.call(_build_engine, setup.kwargs)
         except Exception as exc:
-            worker.shutdown(wait=False)
+            thread.stop()
             raise EngineError(f"vLLM could not start for {model_path}: {type(exc).__name__}: {exc}") from exc
         VLLMEngine._live += 1
         # third-party: vLLM releases moved the scheduler config around
@@ -125,7 +135,7 @@ class VLLMEngine:
                            "tokens a step (vLLM's defaults for an in-process engine on this device)")
             _log.info("vLLM: %s", reasons[-1])
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-        return cls(engine, worker, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake)
+        return cls(engine, thread, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake)
 
     @property
     def dead_reason(self) -> str | None:
@@ -183,82 +193,98 @@ class VLLMEngine:
                 raise EngineError(f"adapter {request.adapter!r} is not loaded")
         from vllm.inputs import TokensPrompt
 
+        engine = self._engine
         request_id = f"art_nb-{next(self._request_ids)}"
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        sampling = _vllm_sampling_params(params)
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = done
-        try:
-            await self._call(
-                self._engine.add_request, request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
-                _vllm_sampling_params(params), lora_request=lora,
-            )
-        except Exception as exc:
-            self._pending.pop(request_id, None)
-            raise self._failed(exc, "vLLM rejected the request") from exc
-        self._ensure_driver()
+        self._thread.add(request_id, lambda: engine.add_request(request_id, prompt, sampling, lora_request=lora), done)
         try:
             output = await done
         except asyncio.CancelledError:  # the client went away: free the batch slot
-            if self._pending.pop(request_id, None) is not None and self.dead_reason is None:
-                await self._call(self._engine.abort_request, [request_id])
+            self._thread.abort(request_id, engine.abort_request)
             raise
+        except Exception as exc:
+            raise self._failed(exc, "vLLM rejected the request") from exc
         return [_to_sample(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
-
-    def _ensure_driver(self) -> None:
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.get_running_loop().create_task(self._drive(), name="art_nb-vllm-driver")
-
-    async def _drive(self) -> None:
-        """Step the engine while anything is pending, handing finished outputs to their waiters."""
-        try:
-            while self._pending:
-                for output in await self._call(self._engine.step):
-                    if output.finished:
-                        waiter = self._pending.pop(output.request_id, None)
-                        if waiter is not None and not waiter.done():
-                            waiter.set_result(output)
-        except Exception as exc:  # an exception out of step() leaves vLLM in an unknown state
-            self._died(exc)
-
-    async def _idle(self) -> None:
-        """Wait until every accepted request has finished (the backend's gate admits no new ones)."""
-        while self._driver is not None and not self._driver.done():
-            await asyncio.shield(self._driver)
 
     # ---- adapters --------------------------------------------------------------------------------
 
-    async def load_adapter(self, name: str, path: Path) -> None:
+    async def load_adapter(self, name: str, path: Path, weights: AdapterWeights | None = None) -> None:
         from vllm.lora.request import LoRARequest
 
         self._check_alive()
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise EngineError(f"{path} holds no PEFT adapter (adapter_config.json is missing)")
-        lora = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=str(path))
+        lora_id = next(self._lora_ids)
+        source = str(path)
+        if weights is None:
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise EngineError(f"{path} holds no PEFT adapter (adapter_config.json is missing)")
+        elif await self._takes_memory():
+            self._held[lora_id] = weights  # before add_lora: the worker's loader looks it up by id
+            source = f"memory (for {path})"
+        else:
+            self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
+        # From memory the path is never read (the loader finds the id in `_held`); the name carries the id (docstring)
+        lora = LoRARequest(lora_name=f"{name}#{lora_id}", lora_int_id=lora_id,
+                           lora_path=str(self._spilled.get(lora_id, path)))
         try:
             added = await self._call(self._engine.add_lora, lora)
         except Exception as exc:
-            raise self._failed(exc, f"vLLM could not load the adapter in {path}") from exc
+            self._forget(lora_id)
+            raise self._failed(exc, f"vLLM could not load the adapter from {source}") from exc
         if added is False:
-            raise EngineError(f"vLLM refused the adapter in {path}")
+            self._forget(lora_id)
+            raise EngineError(f"vLLM refused the adapter from {source}")
         previous = self._adapters.get(name)
         self._adapters[name] = lora
         if previous is not None:
-            await self._call(self._engine.remove_lora, previous.lora_int_id)
+            await self._remove(previous.lora_int_id)
 
     async def unload_adapter(self, name: str) -> None:
         lora = self._adapters.pop(name, None)
-        if lora is not None and self.dead_reason is None:
-            await self._call(self._engine.remove_lora, lora.lora_int_id)
+        if lora is not None:
+            await self._remove(lora.lora_int_id)
+
+    async def _remove(self, lora_id: int) -> None:
+        """Drop the LoRA from vLLM, then its in-memory copy (vLLM may re-load it by id until it is removed)."""
+        try:
+            if self.dead_reason is None:
+                await self._call(self._engine.remove_lora, lora_id)
+        finally:
+            self._forget(lora_id)
+
+    def _forget(self, lora_id: int) -> None:
+        self._held.pop(lora_id, None)
+        spilled = self._spilled.pop(lora_id, None)
+        if spilled is not None:
+            shutil.rmtree(spilled, ignore_errors=True)
+
+    async def _takes_memory(self) -> bool:
+        """Install the in-memory loader on vLLM's worker the first time; False (and why, logged) where it cannot be."""
+        if self._from_memory is None:
+            try:
+                await self._call(install, self._engine, self._held, _vllm_version())
+                self._from_memory = True
+            except EngineError as error:
+                _log.warning("%s", error)
+                self._from_memory = False
+        return self._from_memory
 
     # ---- memory ----------------------------------------------------------------------------------
 
     async def sleep(self) -> None:
-        """Free the KV cache and move the weights to CPU (vLLM sleep level 1). A no-op off CUDA."""
+        """Free the KV cache and move the weights to CPU (vLLM sleep level 1). A no-op off CUDA.
+
+        Runs once every accepted request has finished (the backend's gate admits no new ones)."""
         self._check_alive()
         if not self._on_cuda or self._asleep:
             return
-        await self._idle()
-        await self._call(self._engine.sleep, 1)
-        self._asleep = True
+        self._asleep = True  # refuse new requests now: one queued behind the sleep would run on a sleeping engine
+        try:
+            await self._call(self._engine.sleep, 1, when_idle=True)
+        except BaseException:
+            self._asleep = False
+            raise
 
     async def wake(self) -> None:
         """Undo `sleep`; safe to call when awake (the backend calls it again in `finally`)."""
@@ -270,45 +296,32 @@ class VLLMEngine:
     async def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._fail_pending()
-        if self._driver is not None:
-            await asyncio.gather(self._driver, return_exceptions=True)
-        # third-party: not every vLLM release's in-process core has shutdown()
-        shutdown = getattr(getattr(self._engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            try:
-                await self._call(shutdown)
-            except Exception as exc:  # closing must not fail on an engine that already died
-                _log.warning("vLLM shutdown: %s: %s", type(exc).__name__, exc)
-        self._engine = None
+        self._closed = True  # from here the vLLM thread fails every waiter and steps no more
         VLLMEngine._live -= 1
-        if VLLMEngine._live == 0:  # vLLM's distributed state is per process: only the last engine may drop it
-            try:
-                await self._call(_release_distributed_state)
-            except Exception as exc:
-                _log.warning("vLLM cleanup: %s: %s", type(exc).__name__, exc)
-        self._worker.shutdown(wait=True)
+        try:
+            await self._call(_shut_down, self._engine, VLLMEngine._live == 0)
+        finally:
+            self._engine = None
+            self._thread.stop()
+            await asyncio.to_thread(self._thread.join)
+            for lora_id in list(self._spilled):
+                self._forget(lora_id)
+            self._held.clear()
 
     # ---- helpers ---------------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """Run `fn` on the vLLM thread (after everything submitted before it)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, lambda: fn(*args, **kwargs))
+    async def _call(self, fn: Callable[..., _T], *args: Any, when_idle: bool = False) -> _T:
+        """Run `fn` on the vLLM thread (after everything submitted before it; `when_idle`: once no request is open)."""
+        return await self._thread.call(fn, *args, when_idle=when_idle)
 
     def _died(self, exc: BaseException) -> None:
-        """vLLM failed in a way that leaves it in an unknown state: fail everything waiting, serve no more."""
+        """vLLM failed in a way that leaves it in an unknown state: serve no more (the vLLM thread fails its waiters)."""
         if self._dead is None:
             self._dead = exc
             _log.error("vLLM stopped: %s: %s", type(exc).__name__, exc)
-        self._fail_pending()
 
-    def _fail_pending(self) -> None:
-        for waiter in self._pending.values():
-            if not waiter.done():
-                waiter.set_exception(self._dead_error())
-        self._pending.clear()
+    def _error_if_dead(self) -> EngineDeadError | None:
+        return self._dead_error() if self.dead_reason is not None else None
 
     def _failed(self, exc: Exception, what: str) -> EngineError:
         """`exc` from a vLLM call as our error. vLLM's own dead-engine error makes this engine dead too."""
@@ -351,6 +364,20 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
             os.environ.pop(_MP_ENV, None)
         else:
             os.environ[_MP_ENV] = previous
+
+
+def _shut_down(engine: Any, last: bool) -> None:
+    """Stop vLLM's in-process core (on the vLLM thread); the last engine of the process also drops vLLM's
+    process-wide distributed state, so a later engine can start. Never raises: closing a dead engine must work."""
+    # third-party: not every vLLM release's in-process core has shutdown()
+    shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    for what, step in (("shutdown", shutdown), ("cleanup", _release_distributed_state if last else None)):
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - closing must work on an engine that already died
+            _log.warning("vLLM %s: %s: %s", what, type(exc).__name__, exc)
 
 
 def _vllm_version() -> str:

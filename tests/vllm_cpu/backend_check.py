@@ -4,8 +4,8 @@ Runs under .venv-vllm/bin/python, not pytest:
     .venv-vllm/bin/python tests/vllm_cpu/backend_check.py MODEL_DIR WORK_DIR RESULT.json
 
 The engine is made to really die: vLLM's in-process engine core is shut down on the engine's own
-vLLM thread (as a crash inside it would leave it), so the next request fails in vLLM's step()
-and `dead_reason` turns non-None. What vLLM's error tells the user, "re-register the model", must
+vLLM thread (as a crash inside it would leave it) while three requests are decoding, so the next
+step() raises, all three fail with EngineDeadError, and `dead_reason` turns non-None. What vLLM's error tells the user, "re-register the model", must
 then work: `register` on the same backend replaces the engine and a chat completion through the
 model's OpenAI client succeeds. Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
 """
@@ -47,8 +47,23 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         before = await chat()
         save("served_before", {"model": before.model, "text": before.choices[0].message.content})
 
+        # Requests in flight when vLLM dies: the step that raises fails every one of them.
+        from art_nb.engines.base import (
+            EngineDeadError,
+            GenerationRequest,
+            SamplingParams,
+        )
+
+        prompt = first.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        flying = [asyncio.create_task(first.generate(GenerationRequest(list(prompt), params))) for _ in range(3)]
+        await asyncio.sleep(0.5)  # they are decoding now
         core = first._engine.engine_core
-        await asyncio.wrap_future(first._worker.submit(core.shutdown))
+        await first._thread.call(core.shutdown)  # between two steps, as a crash inside vLLM would land
+        outcomes = await asyncio.gather(*flying, return_exceptions=True)
+        save("in_flight", [type(o).__name__ for o in outcomes])
+        save("in_flight_dead", all(isinstance(o, EngineDeadError) for o in outcomes))
         try:
             await chat()
             save("request_after_kill", {"failed": False})

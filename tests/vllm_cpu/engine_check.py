@@ -8,6 +8,11 @@ a failure names the check. Also compares vLLM's logprobs with transformers' at t
 engine must return raw logprobs, not temperature-scaled ones. Ends with the Engine protocol's shared
 conformance cases (tests/engine_cases.py), each outcome recorded under "conformance"; the last of
 them closes the engine.
+
+Also: the step loop on the vLLM thread (a request joins a running one mid-way; a cancelled one is
+aborted), and adapters handed over in memory (`load_adapter(..., weights=)`): the same greedy tokens
+and logprobs as the same adapter from its directory, the directory never read, re-loaded from memory
+after vLLM's CPU cache evicted it, the temporary-directory fallback, and the hand-over time (r16).
 """
 
 from __future__ import annotations
@@ -22,7 +27,35 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared engine cases
 
-from engine_cases import CASES, PROMPT, Subject, random_lora  # noqa: E402
+from engine_cases import CASES, PROMPT, Subject, random_lora
+
+
+def lora_r16(model_dir: Path, out: Path) -> Path:
+    """A rank-16 LoRA on every linear module (q/k/v/o, gate/up/down: vLLM packs qkv and gate_up), saved by peft."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(16)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=16, lora_alpha=32, target_modules=modules, init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def weights_of(directory: Path) -> Any:
+    """The adapter in `directory` as the trainer hands it over: its tensors and config, in memory."""
+    from safetensors.torch import load_file
+
+    from art_nb.engines.base import AdapterWeights
+
+    return AdapterWeights(tensors=load_file(str(directory / "adapter_model.safetensors")),
+                          config=json.loads((directory / "adapter_config.json").read_text()))
 
 
 def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapter: Path | None = None) -> list[float]:
@@ -43,7 +76,12 @@ def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapt
 
 async def main(model_dir: Path, result_path: Path) -> None:
     from art_nb.config import LoraConfig, ModelConfig
-    from art_nb.engines.base import ContextTooLongError, EngineError, GenerationRequest, SamplingParams
+    from art_nb.engines.base import (
+        ContextTooLongError,
+        EngineError,
+        GenerationRequest,
+        SamplingParams,
+    )
     from art_nb.engines.vllm import VLLMEngine
 
     result: dict[str, Any] = {}
@@ -56,7 +94,8 @@ async def main(model_dir: Path, result_path: Path) -> None:
     adapters = [random_lora(model_dir, work / f"lora{seed}", seed) for seed in (1, 2)]
 
     started = time.perf_counter()
-    config = ModelConfig(max_seq_len=512, max_batch_size=8, lora=LoraConfig(rank=8, alpha=16))
+    r16 = lora_r16(model_dir, work / "lora_r16")
+    config = ModelConfig(max_seq_len=512, max_batch_size=8, lora=LoraConfig(rank=16, alpha=32))
     engine = await VLLMEngine.create(model_dir, config, enforce_eager=True)
     save("create_s", round(time.perf_counter() - started, 1))
     save("reasons", engine.reasons)
@@ -115,6 +154,9 @@ async def main(model_dir: Path, result_path: Path) -> None:
     save("adapters", {"base": base, "first": first, "second": second, "after_unload": after,
                       "unloaded_refused": unloaded_refused})
 
+    await step_loop(engine, prompt, save)
+    await in_memory(engine, greedy_sample, [r16, *adapters], work, save)
+
     await engine.sleep()  # no-op off CUDA, must not break anything
     await engine.wake()
     save("greedy_after_sleep_wake_equal", await greedy(None) == base)
@@ -130,6 +172,121 @@ async def main(model_dir: Path, result_path: Path) -> None:
         save("conformance", outcomes)
     await engine.close()  # the last case closed it already; closing again must be harmless
     save("closed", True)
+
+
+async def step_loop(engine: Any, prompt: list[int], save: Any) -> None:
+    """A request that arrives mid-way joins the running one; a cancelled one is aborted in vLLM."""
+    from art_nb.engines.base import GenerationRequest, SamplingParams
+
+    core = engine._engine
+    steps = [0]
+    step = core.step
+
+    def counted() -> Any:  # the vLLM thread looks `step` up on every call (benchmarks time it this way)
+        steps[0] += 1
+        return step()
+
+    core.step = counted
+
+    def fixed(tokens: int) -> GenerationRequest:
+        return GenerationRequest(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+
+    async def steps_reach(count: int) -> None:
+        while steps[0] < count:
+            await asyncio.sleep(0.002)
+
+    try:
+        start = steps[0]
+        long = asyncio.create_task(engine.generate(fixed(48)))
+        await steps_reach(start + 5)
+        [short] = await engine.generate(fixed(4))
+        short_done = steps[0] - start
+        [long_sample] = await long
+        save("joined", {"short_tokens": len(short.token_ids), "short_done_at_step": short_done,
+                        "long_tokens": len(long_sample.token_ids), "steps": steps[0] - start})
+
+        start = steps[0]
+        doomed = asyncio.create_task(engine.generate(fixed(400)))
+        await steps_reach(start + 3)
+        doomed.cancel()
+        try:
+            await doomed
+        except asyncio.CancelledError:
+            pass
+        at_cancel = steps[0] - start
+        [after] = await engine.generate(fixed(6))
+        save("cancel", {"steps_before_cancel": at_cancel, "steps_in_all": steps[0] - start,
+                        "served_after": len(after.token_ids), "unfinished_in_vllm": core.has_unfinished_requests()})
+    finally:
+        core.step = step
+
+
+async def in_memory(engine: Any, greedy_sample: Any, directories: list[Path], work: Path, save: Any) -> None:
+    """Adapters from tensors serve exactly what the same adapter from its directory serves."""
+    import torch
+
+    from art_nb.engines.vllm_lora import spill
+
+    r16, first = directories[0], directories[1]
+    later = work / "lands-later"  # where the checkpoint would land: it never exists here
+    await engine.load_adapter("disk@1", r16)
+    disk = await greedy_sample("disk@1")
+    handed = weights_of(r16)
+    await engine.load_adapter("mem@1", later, weights=handed)
+    memory = await greedy_sample("mem@1")
+    await engine.load_adapter("mem8@1", later, weights=weights_of(first))  # r8, q/v/down: a second layout
+    await engine.load_adapter("disk8@1", first)
+    mem8, disk8 = await greedy_sample("mem8@1"), await greedy_sample("disk8@1")
+    save("memory", {
+        "from_memory": engine._from_memory, "path_exists": later.exists(),
+        "tokens_equal": memory.token_ids == disk.token_ids, "r8_tokens_equal": mem8.token_ids == disk8.token_ids,
+        "max_abs_logprob_gap": max(abs(a - b) for a, b in zip(memory.logprobs, disk.logprobs, strict=True)),
+        "r8_max_abs_logprob_gap": max(abs(a - b) for a, b in zip(mem8.logprobs, disk8.logprobs, strict=True)),
+        "differs_from_r8": memory.token_ids != mem8.token_ids,
+    })
+    # vLLM keeps max_cpu_loras (4) adapters: four more push mem@1 out; a request for it loads it again by id
+    mem_id = engine._adapters["mem@1"].lora_int_id
+    for i in range(4):
+        await engine.load_adapter(f"fill@{i}", later, weights=weights_of(directories[1 + i % 2]))
+    evicted = mem_id not in engine._engine.list_loras()
+    again = await greedy_sample("mem@1")
+    pristine = weights_of(r16).tensors  # vLLM scales lora_b in place: it must do that to a copy of its own
+    untouched = all(torch.equal(tensor, pristine[name]) for name, tensor in handed.tensors.items())
+    save("evicted", {"evicted": evicted, "tokens_equal": again.token_ids == disk.token_ids, "weights_untouched": untouched,
+                     "max_abs_logprob_gap": max(abs(a - b) for a, b in zip(again.logprobs, disk.logprobs, strict=True))})
+    for name in ["disk@1", "mem8@1", "disk8@1", *(f"fill@{i}" for i in range(4))]:
+        await engine.unload_adapter(name)
+    held_after_unload = sorted(engine._held) == [mem_id]
+
+    # The fallback where vLLM cannot take tensors: a temporary directory, removed at unload.
+    engine._from_memory = False
+    await engine.load_adapter("spill@1", later, weights=weights_of(r16))
+    [spilled] = engine._spilled.values()
+    spill_sample = await greedy_sample("spill@1")
+    await engine.unload_adapter("spill@1")
+    engine._from_memory = True
+    save("spill", {"tokens_equal": spill_sample.token_ids == disk.token_ids, "removed": not spilled.exists(),
+                   "held_after_unload": held_after_unload})
+
+    # Hand-over time, r16 on every linear module: from memory, vs writing the files and loading them.
+    weights = weights_of(r16)
+    timings: dict[str, list[float]] = {"memory_ms": [], "write_ms": [], "disk_ms": []}
+    for i in range(3):
+        started = time.perf_counter()
+        await engine.load_adapter(f"t@m{i}", later, weights=weights)
+        timings["memory_ms"].append(round(1000 * (time.perf_counter() - started), 1))
+        started = time.perf_counter()
+        directory = spill(weights, work)
+        timings["write_ms"].append(round(1000 * (time.perf_counter() - started), 1))
+        started = time.perf_counter()
+        await engine.load_adapter(f"t@d{i}", directory)
+        timings["disk_ms"].append(round(1000 * (time.perf_counter() - started), 1))
+        await engine.unload_adapter(f"t@m{i}")
+        await engine.unload_adapter(f"t@d{i}")
+    await engine.unload_adapter("mem@1")
+    save("handover", {**timings, "tensors": len(weights.tensors),
+                      "mbytes": round(sum(t.numel() * t.element_size() for t in weights.tensors.values()) / 2**20, 1),
+                      "held_after_all_unloaded": len(engine._held)})
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the entry point guarded

@@ -1,5 +1,6 @@
 """art_nb's vLLM engine behind the real LocalBackend on vLLM's CPU build: backend_check.py (in .venv-vllm)
-kills the engine's process, checks that requests fail with the engine's reason, and registers again."""
+kills the engine while requests decode, checks that they and later ones fail with the engine's reason, and
+registers again."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def revived(tmp_path_factory) -> dict:
 def test_a_dead_vllm_engine_says_why_and_fails_requests(revived):
     assert revived.get("engine") == "VLLMEngine", revived["_log_tail"]
     assert revived["served_before"]["model"] == "revive@0" and revived["served_before"]["text"]
+    # Three requests were decoding (from this loop, not the backend's) when the step raised: each one fails
+    assert revived["in_flight"] == ["EngineDeadError"] * 3 and revived["in_flight_dead"], revived.get("in_flight")
     failed = revived["request_after_kill"]
     assert failed["failed"] and failed["status"] == 503, failed
     reason = revived["dead_reason"]

@@ -58,6 +58,43 @@ def test_adapter_swap_changes_output_and_unload_restores_base(recorded):
 
 
 
+def test_a_request_joins_a_running_one_mid_way(recorded):
+    """The vLLM thread takes new requests between two of its own steps: the short one rides along."""
+    joined = recorded["joined"]
+    assert joined["short_tokens"] == 4 and joined["long_tokens"] == 48
+    assert joined["short_done_at_step"] < 48  # finished while the long one was still decoding
+    assert joined["steps"] <= 49, joined  # one batch: run one after the other they would take 52
+
+
+def test_a_cancelled_request_is_aborted_in_vllm(recorded):
+    cancel = recorded["cancel"]
+    assert cancel["served_after"] == 6 and cancel["unfinished_in_vllm"] is False
+    assert cancel["steps_in_all"] < cancel["steps_before_cancel"] + 20, cancel  # not decoded to its 400 tokens
+
+
+def test_an_adapter_from_memory_serves_what_its_directory_serves(recorded):
+    memory = recorded["memory"]
+    assert memory["from_memory"] is True  # vLLM 0.32's worker took the loader: no fallback
+    assert memory["path_exists"] is False  # the path given was never needed
+    assert memory["tokens_equal"] and memory["r8_tokens_equal"], memory
+    assert memory["max_abs_logprob_gap"] < 1e-5 and memory["r8_max_abs_logprob_gap"] < 1e-5, memory
+    assert memory["differs_from_r8"]  # two different adapters really were served
+
+
+def test_an_evicted_adapter_is_loaded_again_from_memory(recorded):
+    evicted = recorded["evicted"]
+    assert evicted["evicted"], "vLLM kept the adapter: the check did not exercise a re-load"
+    assert evicted["tokens_equal"] and evicted["max_abs_logprob_gap"] < 1e-5, evicted
+    assert evicted["weights_untouched"]  # the caller's tensors (the checkpoint being written) are not modified
+
+
+def test_the_temporary_directory_fallback_serves_and_cleans_up(recorded):
+    spill = recorded["spill"]
+    assert spill["tokens_equal"] and spill["removed"]
+    assert spill["held_after_unload"]  # unload drops the in-memory copy, and only that one
+    assert recorded["handover"]["held_after_all_unloaded"] == 0
+
+
 def test_scheduler_uses_the_offline_defaults_not_the_128_sequence_fallback(recorded):
     """from_engine_args' default context caps a step at 128 sequences / 2048 tokens: 0.4x plain vLLM at 256."""
     [line] = [r for r in recorded["reasons"] if r.startswith("scheduler:")]
