@@ -4,8 +4,9 @@ In file order (the tests share one backend, like a notebook): start; generate th
 endpoint with token ids and logprobs that agree with the trainer's; hot-load adapters; sleep frees
 memory and wake restores identical greedy output; a train step while requests arrive; close and
 resume from the checkpoint. Measurements land in $ART_NB_GPU_RESULTS/gpu_path.json (conftest.py).
-vLLM runs eager here (ART_NB_VLLM_ENFORCE_EAGER=1): it starts ~1 min sooner, and speed is the
-benchmark's business (bench/gpu_tictactoe.py).
+vLLM starts as a user's does (art_nb's default start-up mode, "fast": CUDA graphs for decoding
+without torch.compile; ART_NB_VLLM_STARTUP overrides it), so the graphs are tested with LoRA
+adapters swapped under them; speed is the benchmarks' business (bench/).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import functools
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -59,7 +59,6 @@ def in_loop(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Non
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    os.environ.setdefault("ART_NB_VLLM_ENFORCE_EAGER", "1")
     path = tmp_path_factory.mktemp("art")
     backend = art.LocalBackend(path=path)
     model = make_model(model_dir)
