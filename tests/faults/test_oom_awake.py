@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from art_nb.engines.vllm import VLLMEngine
+from art_nb.engines.vllm_thread import VLLMThread
 
 
 class FakeCore:
@@ -44,13 +44,14 @@ def core() -> FakeCore:
 
 
 @pytest.fixture
-def worker() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(1)
-    yield pool
-    pool.shutdown(wait=True)
+def worker() -> Iterator[VLLMThread]:
+    thread = VLLMThread()
+    yield thread
+    thread.stop()
+    thread.join()
 
 
-def engine_around(core: FakeCore, worker: ThreadPoolExecutor, train_awake: bool) -> VLLMEngine:
+def engine_around(core: FakeCore, worker: VLLMThread, train_awake: bool) -> VLLMEngine:
     return VLLMEngine(core, worker, tokenizer=None, max_context=256, on_cuda=True, reasons=[], train_awake=train_awake)
 
 
