@@ -69,15 +69,22 @@ def last_logits(model: Any, cache_keyword: str, adapter: str | None, ids: torch.
 def with_adapter(model: Any, name: str, source: Path | AdapterWeights, device: torch.device) -> Any:
     """`model` with a PEFT adapter added as `name` (the first one wraps it in a PeftModel): read from
     the directory `source`, or built from the tensors in memory (a train step's hand-over: nothing is
-    read from disk, and the adapter's weights are those tensors, not a copy)."""
+    read from disk, and the adapter's weights are those tensors, not a copy).
+
+    Either way the new slot is made on the meta device and filled (`low_cpu_mem_usage`): peft's
+    usual random init of a slot about to be overwritten draws from torch's global generator, whose
+    state the trainer's checkpoints keep, so a run resumed from disk (whose adapter is loaded from a
+    directory) would sample and train differently from one never stopped (served from memory).
+    """
     from peft import PeftModel
 
     with torch.no_grad(), quiet_checkpointing_alias():
         if not isinstance(source, AdapterWeights):
             if _is_peft(model):
-                model.load_adapter(str(source), adapter_name=name, is_trainable=False)
+                model.load_adapter(str(source), adapter_name=name, is_trainable=False, low_cpu_mem_usage=True)
             else:
-                model = PeftModel.from_pretrained(model, str(source), adapter_name=name, is_trainable=False)
+                model = PeftModel.from_pretrained(model, str(source), adapter_name=name, is_trainable=False,
+                                                  low_cpu_mem_usage=True)
         else:
             model = _inject(model, name, source)
         return model.to(device).eval()

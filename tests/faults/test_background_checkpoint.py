@@ -106,9 +106,17 @@ async def test_the_checkpoint_holds_its_own_step_even_when_written_after_the_nex
     groups = await gather_groups(model, seed=4)
     assert (await model.train(groups)).step == 1 and held.entered.wait(10)
     after_first, rng_after_first = optimizer_moments(state.trainer), torch.get_rng_state()
-    torch.rand(1000)  # rollouts draw from the generator before the write lands
-    threading.Timer(0.5, held.release.set).start()  # released while the next train waits for it
-    assert (await model.train(await gather_groups(model, seed=5))).step == 2
+    groups = await gather_groups(model, seed=5)  # rollouts draw from the generator before the write lands
+    train_step = state.trainer.train_step
+
+    def update_then_release(*args: Any, **kwargs: Any) -> dict[str, float]:
+        metrics = train_step(*args, **kwargs)
+        held.release.set()  # were the write not awaited first, it would now see step 2's state
+        return metrics
+
+    monkeypatch.setattr(state.trainer, "train_step", update_then_release)
+    threading.Timer(1.0, held.release.set).start()  # what lets it go when `train` rightly waits for it
+    assert (await model.train(groups)).step == 2
     assert any(not torch.equal(after_first[i][k], v) for i, m in optimizer_moments(state.trainer).items()
                for k, v in m.items()), "the second step did not change the optimizer state"
     saved = torch.load(state.store.checkpoint_dir(1) / TRAINER_STATE, weights_only=True)

@@ -87,8 +87,12 @@ async def test_hf_engine_serves_handed_over_tensors_as_it_serves_the_files(train
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Describe the sea."}],
                                                       add_generation_prompt=True, return_dict=True)["input_ids"]
         greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        rng = torch.get_rng_state()
         await engine.load_adapter("files", tmp_path / "files")
         await engine.load_adapter("memory", tmp_path / "never-written", weights=weights)  # path not read
+        # The trainer's checkpoints keep this generator: loads that drew from it (peft's init of the
+        # slot) made a resumed run, which loads from disk, differ from one served from memory.
+        assert torch.equal(torch.get_rng_state(), rng), "an adapter load drew from torch's generator"
         [from_files], [from_memory], [base] = [
             await engine.generate(GenerationRequest(prompt, greedy, adapter=adapter))
             for adapter in ("files", "memory", None)]
