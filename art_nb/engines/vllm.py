@@ -38,6 +38,7 @@ import itertools
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -122,6 +123,8 @@ class VLLMEngine:
         for reason in reasons:
             _log.info("vLLM: %s", reason)
         thread = VLLMThread()
+        reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
+                       "process, so its thread gets the GIL back soon after each GPU wait (vllm_thread.py)")
         try:
             engine = await thread.call(_build_engine, setup.kwargs)
         except Exception as exc:

@@ -207,3 +207,33 @@ def test_each_waiter_hears_back_on_its_own_loop(thread, engine) -> None:
     for t in threads:
         t.join(10)
     assert got == {"loop0": (True, got["loop0"][1]), "loop1": (True, got["loop1"][1])}
+
+
+def test_gil_switch_interval_is_short_while_a_vllm_thread_lives_and_restored_after(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.delenv("ART_NB_SWITCH_INTERVAL_MS", raising=False)
+    before = sys.getswitchinterval()
+    first, second = VLLMThread(), VLLMThread()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        first.stop()
+        first.join()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)  # the second still lives
+    finally:
+        second.stop()
+        second.join()
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_switch_interval_env_zero_leaves_python_alone(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setenv("ART_NB_SWITCH_INTERVAL_MS", "0")
+    before = sys.getswitchinterval()
+    thread = VLLMThread()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(before)
+    finally:
+        thread.stop()
+        thread.join()
