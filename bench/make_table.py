@@ -112,12 +112,24 @@ def endpoint_overhead(data: dict[str, Any] | None) -> list[str]:
     return lines + ["", "Goal: under 10%.", ""]
 
 
+LATER_THROUGHPUT = "gpu_throughput_fast_switch_interval"  # h200/: the run after the GIL switch-interval change
+
+
 def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
     lines = ["## Rollout throughput on GPU: art_nb's endpoint vs plain vLLM", ""]
     if not data:
         return lines + ["Not run yet (`bench/gpu_throughput.py`, on the H200).", ""]
     if "startup" in data.get("settings", {}):  # issue-15 format (one table per vLLM start-up mode)
-        return lines + gpu_throughput_by_startup(data)
+        lines += gpu_throughput_by_startup(data)
+        later = load(RESULTS, LATER_THROUGHPUT)
+        if later:
+            lines += [f"### A later run: the engine's thread gets the GIL back sooner (`h200/{LATER_THROUGHPUT}.json`)", "",
+                      ("The same script with `--startup fast` after the vLLM thread lowered Python's GIL switch interval "
+                       "to 0.5 ms (art_nb/engines/vllm_thread.py): with CUDA graphs a decode step is ~3 ms, and CPython's "
+                       "5 ms default let the endpoint's and the client's threads hold the GIL that long after each GPU "
+                       "wait. Plain vLLM was measured again in this run (this host's speed moves ~10% between runs)."), ""]
+            lines += [line.replace("### vLLM start-up", "#### vLLM start-up") for line in gpu_throughput_by_startup(later)]
+        return lines
     sections = data.get("sections", {})
     lines += [context(data), "", (f"Model: {data.get('weights')}. {data['settings']['completion_tokens']} tokens per "
               f"request (fixed), vLLM {data['settings']['vllm']}. Median tokens/s of "
@@ -278,9 +290,9 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
         old = before["sections"]["art"]["step_stats"]
         lines += [("Before the checkpoint was finished in the background (`h200/gpu_step_before_background_checkpoint"
                    f".json`): save {old['time/save']['mean']:.2f} s, whole step {old['wall_s']['mean']:.2f} s, overhead "
-                   f"{old['overhead_share']['mean']:.1%}. Now `time/save` is the adapter written for serving plus a CPU "
-                   "copy of the optimizer state; the rest of the checkpoint (optimizer state, fsync, rename) overlaps "
-                   "the next step's rollouts."), ""]
+                   f"{old['overhead_share']['mean']:.1%}. Since 2026-12-02 `time/save` is a CPU copy of the adapter and "
+                   "`time/swap` vLLM taking those tensors (no file on the step's path); the whole checkpoint (adapter "
+                   "file, optimizer state, fsync, rename) is written in the background during the next rollouts."), ""]
     return lines + failures(sections)
 
 
@@ -384,6 +396,16 @@ def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
             rows.append(f"| rollout tokens/s, H200, 3B (random weights), endpoint, vLLM \"{mode}\" | "
                         + ", ".join(f"{v['endpoint_tokens_per_s']:.0f}" for v in r.values()) + " at "
                         + ", ".join(r) + " concurrent | plain vLLM: "
+                        + ", ".join(f"{v['plain_tokens_per_s']:.0f}" for v in r.values()) + " | "
+                        + ", ".join(f"{v['endpoint_over_plain']:.2f}" for v in r.values())
+                        + f" | >= {THROUGHPUT_GOAL}" + ("" if all(v["endpoint_over_plain"] >= THROUGHPUT_GOAL
+                                                             for v in r.values()) else " (missed)") + " |")
+    later = load(RESULTS, LATER_THROUGHPUT) if tp else None
+    for mode, found in (later or {}).get("sections", {}).get("comparison", {}).get("startup", {}).items():
+        r = found.get("ratios", {})
+        if r:
+            rows.append(f"| the same, vLLM \"{mode}\", GIL switch interval 0.5 ms (later run) | "
+                        + ", ".join(f"{v['endpoint_tokens_per_s']:.0f}" for v in r.values()) + " | plain vLLM: "
                         + ", ".join(f"{v['plain_tokens_per_s']:.0f}" for v in r.values()) + " | "
                         + ", ".join(f"{v['endpoint_over_plain']:.2f}" for v in r.values())
                         + f" | >= {THROUGHPUT_GOAL}" + ("" if all(v["endpoint_over_plain"] >= THROUGHPUT_GOAL
