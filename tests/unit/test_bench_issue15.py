@@ -152,10 +152,11 @@ def test_make_table_renders_the_new_results_and_says_where_a_goal_is_missed(tmp_
 
 def test_make_table_still_renders_the_results_before_issue_15() -> None:
     table = load("make_table")
-    old = table.load(BENCH / "results", "gpu_throughput")
+    old = table.load(BENCH / "results", "gpu_throughput_2026-11-30")  # the run before issue 15's format
     assert old is not None and "startup" not in old["sections"]["comparison"]
     assert "| 8 |" in "\n".join(table.gpu_throughput(old))
-    assert "TRL step / art_nb step" in "\n".join(table.gpu_step(table.load(BENCH / "results", "gpu_step")))
+    for name in ("gpu_step_2026-11-30", "gpu_step"):
+        assert "TRL step / art_nb step" in "\n".join(table.gpu_step(table.load(BENCH / "results", name)))
 
 
 def test_the_segment_script_parses_and_refuses_an_unknown_segment(tmp_path: Path) -> None:
