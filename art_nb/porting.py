@@ -131,7 +131,7 @@ def model_config(base: ModelConfig, internal: Mapping[str, Any] | None, lora: Ma
     take("engine_args", internal.pop("engine_args", None), {
         "gpu_memory_utilization": ("model", "gpu_memory_utilization"), "max_num_seqs": ("model", "max_batch_size"),
         "seed": ("model", "seed"), "max_model_len": ("model", "_max_model_len"),
-        "enable_sleep_mode": ("model", "_sleep")})
+        "enable_sleep_mode": ("model", "_sleep"), "enforce_eager": ("model", "_enforce_eager")})
     take("peft_args", internal.pop("peft_args", None), {
         "r": ("lora", "rank"), "lora_alpha": ("lora", "alpha"), "lora_dropout": ("lora", "dropout"),
         "target_modules": ("lora", "target_modules"), "random_state": ("model", "seed")})
@@ -146,6 +146,8 @@ def model_config(base: ModelConfig, internal: Mapping[str, Any] | None, lora: Ma
     max_model_len = fields.pop("_max_model_len", None)
     if max_model_len is not None:
         fields.setdefault("max_seq_len", max_model_len)
+    if fields.pop("_enforce_eager", None):  # ART's way to skip CUDA graphs and compile: our "eager" start-up
+        fields.setdefault("vllm_startup", "eager")
     sleep = fields.pop("_sleep", None)
     if sleep is False:  # vLLM without sleep mode cannot sleep while a step trains
         fields["sleep_during_training"] = False

@@ -57,7 +57,8 @@ def test_internal_config_and_lora_config_map_onto_model_config():
     assert (config.gpu_memory_utilization, config.max_batch_size) == (0.8, 32)
     assert (config.lora.rank, config.lora.alpha, config.lora.dropout) == (16, 32, 0.05)
     reported = " ".join(str(w.message) for w in caught)
-    assert "engine_args.enforce_eager" in reported and "_internal_config.trainer_gpu_ids" in reported
+    assert config.vllm_startup == "eager"  # enforce_eager maps; trainer_gpu_ids has no equivalent
+    assert "engine_args.enforce_eager" not in reported and "_internal_config.trainer_gpu_ids" in reported
 
 
 def test_sleep_mode_off_and_max_model_len():
@@ -208,3 +209,10 @@ def test_local_backend_takes_arts_arguments_and_closes_as_a_context_manager(tmp_
     import asyncio
 
     asyncio.run(use())
+
+
+def test_art_enforce_eager_starts_vllm_eager_and_false_keeps_the_default() -> None:
+    eager = model_config(art.ModelConfig(), {"engine_args": {"enforce_eager": True}}, None)
+    default = model_config(art.ModelConfig(), {"engine_args": {"enforce_eager": False}}, None)
+    assert eager.vllm_startup == "eager"
+    assert default.vllm_startup is None
