@@ -40,7 +40,13 @@ deadline_flag() { echo "--deadline-s $(( $(left) - 25 < $1 ? $(left) - 25 : $1 )
 case "$SEGMENT" in
   throughput) bench gpu_throughput.py --startup fast eager $(deadline_flag 540); FILE=gpu_throughput ;;
   step)       bench gpu_step.py --startup fast $(deadline_flag 520); FILE=gpu_step ;;
-  t4)         bench gpu_t4_vs_unsloth.py $(deadline_flag 460); FILE=gpu_t4_vs_unsloth ;;
+  t4)         # Unsloth's fast_inference loads vLLM's quantisation path, which imports compressed_tensors (vLLM 0.25
+              # pins 0.17.0; not in the staged vLLM site): carry .gpu/extra/ with compressed_tensors-0.17.0 and loguru
+              # wheels (`pip download compressed-tensors==0.17.0 loguru --no-deps -d .gpu/extra`, ~270 KB).
+              if ls .gpu/extra/*.whl >/dev/null 2>&1; then
+                "$PY" -m pip install -q --no-deps --no-index --target /root/usite .gpu/extra/*.whl || echo "extra wheels failed"
+              fi
+              bench gpu_t4_vs_unsloth.py $(deadline_flag 460); FILE=gpu_t4_vs_unsloth ;;
   memory)     bench gpu_memory_fit.py --startup fast; FILE=gpu_memory_fit ;;
   *) echo "unknown segment $SEGMENT: throughput, step, t4 or memory"; exit 2 ;;
 esac
