@@ -101,8 +101,9 @@ class VLLMEngine:
         """Start vLLM for the model in `model_path` (a local directory). Takes ~1 min on a GPU.
 
         `plan` (`plan_for(config)` when None) gives the device and the dtype, which the trainer
-        shares. `enforce_eager=None` reads ART_NB_VLLM_ENFORCE_EAGER (no CUDA graphs / compile:
-        starts ~40-60 s faster, decodes slower); the default is vLLM's compiled, graph-captured path.
+        shares. `enforce_eager=True` forces the "eager" start-up; otherwise the mode
+        comes from ART_NB_VLLM_STARTUP, ART_NB_VLLM_ENFORCE_EAGER or `config.vllm_startup`, by default
+        "fast" (CUDA graphs for decoding, no torch.compile: engines/startup.py says why).
         """
         from transformers import AutoTokenizer
 
