@@ -280,6 +280,7 @@ def write_adapter(directory: Path, tensors: dict[str, Any], config: dict[str, An
     """
     from safetensors.torch import save_file
 
+    directory.mkdir(parents=True, exist_ok=True)  # as save_pretrained did: `trainer.save(new_dir)` works
     save_file(tensors, str(directory / ADAPTER_FILES[0]), metadata={"format": "pt"})
     (directory / ADAPTER_FILES[1]).write_text(json.dumps(config, indent=2, sort_keys=True))
 
