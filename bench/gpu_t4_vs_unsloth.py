@@ -131,6 +131,18 @@ def step_summary(walls: list[float]) -> dict[str, Any]:
 # ---- Unsloth's recipe -------------------------------------------------------------------------------------
 
 
+def finish_part(result: dict[str, Any], peak: Any, walls: list[float], steps: int) -> None:
+    """A side's tail, whether it ended or failed: stop the memory sampler, record its peak and the steps taken."""
+    if peak is not None:
+        import torch
+
+        peak.__exit__(None, None, None)
+        result["peak_gpu_used_gib"] = peak.peak_gib
+        result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
+    result["steps"] = step_summary(walls)
+    result["cut_short"] = len(walls) < steps
+
+
 def show_unsloth_a_capped_gpu(cap_gib: float) -> dict[str, Any]:
     """Make Unsloth plan vLLM for a `cap_gib` device and hand vLLM that share of the real one.
 
@@ -241,12 +253,7 @@ def unsloth_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     try:
         trainer.train()
     finally:
-        if peak is not None:
-            peak.__exit__(None, None, None)
-            result["peak_gpu_used_gib"] = peak.peak_gib
-            result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
-        result["steps"] = step_summary(walls)
-        result["cut_short"] = len(walls) < args.steps
+        finish_part(result, peak, walls, args.steps)
         result["completion_lengths"] = [h.get("completions/mean_length") for h in trainer.state.log_history
                                         if "completions/mean_length" in h]
         write(result)
@@ -321,14 +328,7 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
             print(result["step_rows"][-1], flush=True)
             write(result)
     finally:
-        if peak is not None:
-            import torch
-
-            peak.__exit__(None, None, None)
-            result["peak_gpu_used_gib"] = peak.peak_gib
-            result["torch_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
-        result["steps"] = step_summary(walls)
-        result["cut_short"] = len(walls) < args.steps
+        finish_part(result, peak, walls, args.steps)
         write(result)
     await backend.close()
     return result
