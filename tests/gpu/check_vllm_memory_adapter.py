@@ -31,12 +31,11 @@ PROMPT = [{"role": "user", "content": "Name three colours, separated by commas."
 
 
 async def main(out: Path, model_dir: Path) -> dict[str, Any]:
-    from engine_check import lora_r16, weights_of
+    from engine_check import handover_timings, lora_r16, weights_of
 
     from art_nb.config import LoraConfig, ModelConfig
     from art_nb.engines.base import GenerationRequest, SamplingParams
     from art_nb.engines.vllm import VLLMEngine
-    from art_nb.engines.vllm_lora import spill
     from art_nb.versions import installed_version
 
     result: dict[str, Any] = {"vllm": installed_version("vllm"), "model": str(model_dir), "checks": {}}
@@ -82,20 +81,7 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
         for i in range(4):
             await engine.unload_adapter(f"fill@{i}")
 
-        weights = weights_of(r16)
-        timings: dict[str, list[float]] = {"memory_ms": [], "write_ms": [], "disk_ms": []}
-        for i in range(5):
-            started = time.perf_counter()
-            await engine.load_adapter(f"t@m{i}", later, weights=weights)
-            timings["memory_ms"].append(round(1000 * (time.perf_counter() - started), 2))
-            started = time.perf_counter()
-            directory = spill(weights, work)
-            timings["write_ms"].append(round(1000 * (time.perf_counter() - started), 2))
-            started = time.perf_counter()
-            await engine.load_adapter(f"t@d{i}", directory)
-            timings["disk_ms"].append(round(1000 * (time.perf_counter() - started), 2))
-            await engine.unload_adapter(f"t@m{i}")
-            await engine.unload_adapter(f"t@d{i}")
+        timings = await handover_timings(engine, weights_of(r16), later, work, repeats=5)
         result["handover"] = {**timings, **{f"median_{k}": statistics.median(v) for k, v in timings.items()}}
 
         result["step_gaps"] = await step_gaps(engine, prompt)

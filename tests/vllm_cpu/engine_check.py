@@ -58,6 +58,26 @@ def weights_of(directory: Path) -> Any:
                           config=json.loads((directory / "adapter_config.json").read_text()))
 
 
+async def handover_timings(engine: Any, weights: Any, later: Path, work: Path, repeats: int) -> dict[str, list[float]]:
+    """ms per adapter hand-over, `repeats` times: from memory, vs writing the files (`spill`) and loading them."""
+    from art_nb.engines.vllm_lora import spill
+
+    timings: dict[str, list[float]] = {"memory_ms": [], "write_ms": [], "disk_ms": []}
+    for i in range(repeats):
+        started = time.perf_counter()
+        await engine.load_adapter(f"t@m{i}", later, weights=weights)
+        timings["memory_ms"].append(round(1000 * (time.perf_counter() - started), 2))
+        started = time.perf_counter()
+        directory = spill(weights, work)
+        timings["write_ms"].append(round(1000 * (time.perf_counter() - started), 2))
+        started = time.perf_counter()
+        await engine.load_adapter(f"t@d{i}", directory)
+        timings["disk_ms"].append(round(1000 * (time.perf_counter() - started), 2))
+        await engine.unload_adapter(f"t@m{i}")
+        await engine.unload_adapter(f"t@d{i}")
+    return timings
+
+
 def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapter: Path | None = None) -> list[float]:
     """Log-probabilities of `completion` after `prompt` from transformers (+ peft adapter), at temperature 1."""
     import torch
@@ -225,7 +245,6 @@ async def in_memory(engine: Any, greedy_sample: Any, directories: list[Path], wo
     """Adapters from tensors serve exactly what the same adapter from its directory serves."""
     import torch
 
-    from art_nb.engines.vllm_lora import spill
 
     r16, first = directories[0], directories[1]
     later = work / "lands-later"  # where the checkpoint would land: it never exists here
@@ -270,19 +289,7 @@ async def in_memory(engine: Any, greedy_sample: Any, directories: list[Path], wo
 
     # Hand-over time, r16 on every linear module: from memory, vs writing the files and loading them.
     weights = weights_of(r16)
-    timings: dict[str, list[float]] = {"memory_ms": [], "write_ms": [], "disk_ms": []}
-    for i in range(3):
-        started = time.perf_counter()
-        await engine.load_adapter(f"t@m{i}", later, weights=weights)
-        timings["memory_ms"].append(round(1000 * (time.perf_counter() - started), 1))
-        started = time.perf_counter()
-        directory = spill(weights, work)
-        timings["write_ms"].append(round(1000 * (time.perf_counter() - started), 1))
-        started = time.perf_counter()
-        await engine.load_adapter(f"t@d{i}", directory)
-        timings["disk_ms"].append(round(1000 * (time.perf_counter() - started), 1))
-        await engine.unload_adapter(f"t@m{i}")
-        await engine.unload_adapter(f"t@d{i}")
+    timings = await handover_timings(engine, weights, later, work, repeats=3)
     await engine.unload_adapter("mem@1")
     save("handover", {**timings, "tensors": len(weights.tensors),
                       "mbytes": round(sum(t.numel() * t.element_size() for t in weights.tensors.values()) / 2**20, 1),
