@@ -10,7 +10,7 @@
   back as dicts), and a Choice carries what training needs: its `token_ids` and logprobs. On the
   wire each item is tagged, `{"message": {...}}` or `{"choice": {...}}`, and decoded back into
   the same types.
-- **Request bodies.** `RegisterBody`, `TrainBody`, `LogBody`, `DeleteBody`: what `art-nb serve`'s
+- **Request bodies.** `RegisterBody`, `TrainBody`, `SFTBody`, `LogBody`, `DeleteBody`: what `art-nb serve`'s
   routes accept, checked at the door so bad input is a 400 naming the field, never a 500 from deep
   inside the backend (a split that is a path, a step of -5, a metric that is a string or NaN).
 """
@@ -40,6 +40,7 @@ __all__ = [
     "LoopClients",
     "RegisterBody",
     "RetryPolicy",
+    "SFTBody",
     "TrainBody",
     "group_from_wire",
     "group_to_wire",
@@ -263,6 +264,16 @@ class RegisterBody(BaseModel):
 class TrainBody(BaseModel):
     groups: list[dict[str, Any]] = []
     config: dict[str, Any] | None = None
+
+
+class SFTBody(BaseModel):
+    """`train_sft`'s arguments: `dev_config` is ART's `_config` (`art_nb.dev.TrainSFTConfig`, a
+    TypedDict, so a plain object), renamed because a leading underscore is private in pydantic."""
+
+    trajectories: list[dict[str, Any]] = []
+    config: dict[str, Any] | None = None
+    dev_config: dict[str, Any] | None = None
+    verbose: Annotated[bool, Field(strict=True)] = False
 
 
 class LogBody(BaseModel):

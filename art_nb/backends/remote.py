@@ -1,13 +1,14 @@
 """`RemoteBackend`: the `Backend` protocol over HTTP, against `art-nb serve` on a GPU machine.
 
 The notebook keeps its code: `await model.register(RemoteBackend("http://gpu-box:8000", api_key=...))`
-and rollouts talk to the server's OpenAI endpoint (`/v1`), `train` sends the gathered groups and
-streams the server's progress back into `art_nb.events` (so the dashboard moves) and `on_progress`.
+and rollouts talk to the server's OpenAI endpoint (`/v1`), `train` sends the gathered groups (and
+`train_sft` the demonstrations) and streams the server's progress back into `art_nb.events` (so the
+dashboard moves) and `on_progress`.
 
 Failures say what to do. A refused connection or a stream cut mid-step raises `RemoteBackendError`
 naming the server and the way back: re-run `await model.register(backend)` (a restarted server
 resumes from its last checkpoint) and continue from `await model.get_step()`. `train` is never
-retried automatically (it is not idempotent); reads are, briefly.
+retried automatically (it is not idempotent), nor is `train_sft`; reads are, briefly.
 
 The token comes from `api_key`, a Colab secret or the environment variable `ART_NB_API_KEY`; it is
 never shown (see `art_nb.secrets`).
@@ -21,7 +22,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from .._version import __version__
 from ..config import TrainConfig
 from ..porting import train_config
 from ..secrets import Secret, find_secret
+from ..sft_config import TrainSFTConfig
 from ..store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, model_dir
 from ..trajectory import Trajectory, TrajectoryGroup, gathered_groups
 from ..types import (
@@ -191,11 +193,36 @@ class RemoteBackend:
         groups = gathered_groups(groups)  # checked here, before anything is sent
         body = {"groups": [group_to_wire(g) for g in groups],
                 "config": (config or TrainConfig()).model_dump(mode="json")}
-        what = f"train of {model.name!r}"
+        return await self._stream_step(model, "train", body, on_progress)
+
+    async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
+                        config: TrainSFTConfig | None = None, _config: Mapping[str, Any] | None = None,
+                        verbose: bool = False, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+        """Supervised fine-tuning on the server (ART's `train_sft`), as `LocalBackend.train_sft` does it
+        there: one optimizer step per batch, one checkpoint for the call, progress per batch. Input
+        is checked here first, so a mistake fails before anything is sent, as it would locally."""
+        items = [Trajectory.model_validate(t) if isinstance(t, dict) else t for t in trajectories]
+        for i, item in enumerate(items):
+            if not isinstance(item, Trajectory):
+                raise TypeError(f"trajectories[{i}] is a {type(item).__name__}: train_sft takes art.Trajectory "
+                                "objects (or dicts of their fields)")
+        config = config or TrainSFTConfig()
+        if not isinstance(config, TrainSFTConfig):
+            raise TypeError(f"config is a {type(config).__name__}: pass art.TrainSFTConfig(...)")
+        if items:  # the schedule must fit the batches (LocalBackend's trainer raises the same ValueError)
+            config.learning_rates(-(-len(items) // config.resolved_batch_size))
+        body = {"trajectories": [trajectory_to_wire(t) for t in items], "config": config.model_dump(mode="json"),
+                "dev_config": None if _config is None else dict(_config), "verbose": verbose}
+        return await self._stream_step(model, "train_sft", body, on_progress)
+
+    async def _stream_step(self, model: TrainableModelRef, route: str, body: dict[str, Any],
+                           on_progress: ProgressCallback | None) -> TrainResult:
+        """POST one update to `route` and follow its NDJSON stream (events, progress) to the result."""
+        what = f"{route} of {model.name!r}"
         timeout = httpx.Timeout(self.timeout, read=self.read_timeout)
         result: TrainResult | None = None
         try:
-            async with self._client().stream("POST", f"/api/models/{model.name}/train", json=body,
+            async with self._client().stream("POST", f"/api/models/{model.name}/{route}", json=body,
                                              timeout=timeout) as response:
                 if not response.is_success:
                     await response.aread()
@@ -207,7 +234,7 @@ class RemoteBackend:
             raise self._lost(exc, what) from None
         if result is None:
             raise RemoteBackendError(
-                f"the train stream from {self.base_url} ended without a result: the server may have stopped "
+                f"the {route} stream from {self.base_url} ended without a result: the server may have stopped "
                 "mid-step; re-run `await model.register(backend)` and continue from `await model.get_step()`")
         return result
 
@@ -230,14 +257,6 @@ class RemoteBackend:
         elif kind == "result":
             return TrainResult(step=int(item["step"]), metrics=dict(item.get("metrics") or {}))
         return None
-
-    async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
-                        config: Any = None, _config: Any = None, verbose: bool = False, *,
-                        on_progress: ProgressCallback | None = None) -> TrainResult:
-        """ART's supervised fine-tuning: not available through this backend (the error says what to do)."""
-        raise NotImplementedError(
-            "RemoteBackend.train_sft: `art-nb serve` does not take SFT requests yet; run the SFT warm start "
-            "with a LocalBackend on the GPU machine (same path as the server's), then train with RL here")
 
     async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:

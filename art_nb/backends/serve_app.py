@@ -7,6 +7,7 @@ One process owns the GPU: a `LocalBackend` (engine, trainer, checkpoints). This 
     POST /api/models                                   register {name, project, base_model, config}
     GET  /api/models/{name}/step                       the step served now
     POST /api/models/{name}/train                      {groups, config} -> NDJSON stream (see below)
+    POST /api/models/{name}/train_sft                  {trajectories, config, dev_config, verbose} -> same
     POST /api/models/{name}/log                        {items, split, step, metrics} -> summary
     GET  /api/models/{name}/checkpoints                steps on disk
     POST /api/models/{name}/checkpoints/delete         {steps | null, keep_last, best_metric | null}
@@ -14,10 +15,11 @@ One process owns the GPU: a `LocalBackend` (engine, trainer, checkpoints). This 
     GET  /api/models/{name}/checkpoints/{step}/files/{file}
     /v1/models, /v1/chat/completions                   the OpenAI endpoint, same engine, same gate
 
-The train stream is one JSON object per line: `accepted`, then `event`s (the backend's `log`,
-`train_started`, `train_finished`, ... for this model) and `progress`, a `heartbeat` every few
-seconds, and last a `result` or an `error`. The step runs to the end even when the client goes
-away, so a client that lost its connection finds the new step with `get_step` after re-registering.
+The train stream (`train_sft`'s is the same) is one JSON object per line: `accepted`, then
+`event`s (the backend's `log`, `train_started`, `train_finished`, ... for this model) and
+`progress`, a `heartbeat` every few seconds, and last a `result` or an `error`. The step runs to
+the end even when the client goes away, so a client that lost its connection finds the new step
+with `get_step` after re-registering.
 
 Auth: with a token, every route (the OpenAI ones too) needs `Authorization: Bearer <token>`,
 compared in constant time (a server bound to anything but loopback always has one; see
@@ -28,9 +30,9 @@ Origin and Content-Type checks of `RequestGuard` (a web page cannot reach a loop
 rebinding or a cross-site form; on 0.0.0.0 the token is what protects), bodies of at most 32 MB on
 /api (8 MB on /v1) refused while they stream, JSON parsed off the event loop with a nesting limit,
 the connection limits of `art_nb.server.connections`, and route bodies validated at the door
-(`_http.RegisterBody` and friends): bad input is a 400 that names the field and shows no server
-path. `base_model` must be a Hugging Face id unless the server runs with `--allow-local-models`:
-a remote client must not be able to load, or probe for, files on this machine.
+(`_http.RegisterBody` and friends, then each `config`): bad input is a 400 that names the field
+and shows no server path. `base_model` must be a Hugging Face id unless the server runs with
+`--allow-local-models`: a remote client must not be able to load, or probe for, files on this machine.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -57,14 +59,16 @@ from ..config import ModelConfig, TrainConfig
 from ..model import TrainableModel
 from ..secrets import Secret
 from ..server.schema import validation_error
+from ..sft_config import TrainSFTConfig
 from ..store import checkpoint_steps
-from ..types import TrainableModelRef
+from ..types import ProgressCallback, TrainableModelRef, TrainResult
 from ..web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 from ._http import (
     VERSION_HEADER,
     DeleteBody,
     LogBody,
     RegisterBody,
+    SFTBody,
     TrainBody,
     group_from_wire,
     trajectory_from_wire,
@@ -129,6 +133,14 @@ async def _body(request: Request, schema: type[B]) -> B:
         raise validation_error(exc) from None
 
 
+def _validated(schema: type[B], data: dict[str, Any] | None) -> B:
+    """A body's `config` as `schema` (defaults when absent): a 400 naming each bad field."""
+    try:
+        return schema.model_validate(data or {})
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
 def _wire_error(field: str, exc: Exception) -> ApiError:
     return ApiError(400, f"{field}: not trajectories or groups as RemoteBackend sends them: {exc}", param=field)
 
@@ -181,14 +193,38 @@ class _Service:
     async def train(self, request: Request) -> StreamingResponse:
         model = self.model(request)
         body = await _body(request, TrainBody)
-        try:
-            config = TrainConfig.model_validate(body.config or {})
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        config = _validated(TrainConfig, body.config)
         try:  # a step's groups can be tens of MB: decoded off the event loop
             groups = await asyncio.to_thread(lambda: [group_from_wire(g) for g in body.groups])
         except (ValidationError, ValueError, TypeError, AttributeError) as exc:
             raise _wire_error("groups", exc) from None
+        return self._stream_step(model, "train", {"groups": len(groups)}, lambda on_progress: self.backend.train(
+            model, groups, config, on_progress=on_progress))
+
+    async def train_sft(self, request: Request) -> StreamingResponse:
+        """`train_sft` over the same stream as `train` (and in turn with it: one update of a model at a
+        time). The schedule's length is checked here, so a mismatch is a 400 before anything is
+        recorded or paused, not an error from the trainer's thread."""
+        model = self.model(request)
+        body = await _body(request, SFTBody)
+        config = _validated(TrainSFTConfig, body.config)
+        try:
+            trajectories = await asyncio.to_thread(lambda: [trajectory_from_wire(t) for t in body.trajectories])
+        except (ValidationError, ValueError, TypeError, AttributeError) as exc:
+            raise _wire_error("trajectories", exc) from None
+        if trajectories:  # an empty call trains nothing (and checks nothing) on LocalBackend either
+            try:
+                config.learning_rates(-(-len(trajectories) // config.resolved_batch_size))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="learning_rate") from None  # the message names it
+        return self._stream_step(model, "SFT", {"trajectories": len(trajectories)}, lambda on_progress: (
+            self.backend.train_sft(model, trajectories, config, body.dev_config, body.verbose,
+                                   on_progress=on_progress)))
+
+    def _stream_step(self, model: TrainableModel, what: str, accepted: dict[str, Any],
+                     run: Callable[[ProgressCallback], Awaitable[TrainResult]]) -> StreamingResponse:
+        """Run one update (`run(on_progress)`) as a task that outlives the request, and stream it as
+        NDJSON: `accepted`, this model's events, `progress`, heartbeats, then `result` or `error`."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
@@ -202,16 +238,15 @@ class _Service:
 
         lock = self.train_locks.setdefault((model.project, model.name), asyncio.Lock())
 
-        async def train_in_turn() -> Any:
-            # Steps of one model run one after another; "accepted" names the step this one starts
-            # from, read once the steps before it are done (two concurrent trains both said 0).
+        async def run_in_turn() -> TrainResult:
+            # Updates of one model run one after another; "accepted" names the step this one starts
+            # from, read once the updates before it are done (two concurrent trains both said 0).
             async with lock:
-                put({"type": "accepted", "step": await self.backend.get_step(model), "groups": len(groups)})
-                return await self.backend.train(
-                    model, groups, config, on_progress=lambda p: put({"type": "progress", "progress": p}))
+                put({"type": "accepted", "step": await self.backend.get_step(model), **accepted})
+                return await run(lambda p: put({"type": "progress", "progress": p}))
 
         unsubscribe = events.subscribe(forward)
-        task = asyncio.ensure_future(train_in_turn())
+        task = asyncio.ensure_future(run_in_turn())
         self.running.add(task)
 
         def finished(done: asyncio.Task[Any]) -> None:
@@ -231,9 +266,9 @@ class _Service:
                 if item is None:
                     break
                 yield _line(item)
-            error = task.exception() if not task.cancelled() else asyncio.CancelledError("train was cancelled")
+            error = task.exception() if not task.cancelled() else asyncio.CancelledError(f"{what} was cancelled")
             if error is not None:
-                _log.error("train of %s failed: %s: %s", model.name, type(error).__name__, error)
+                _log.error("%s of %s failed: %s: %s", what, model.name, type(error).__name__, error)
                 yield _line({"type": "error", "error": type(error).__name__, "message": str(error)})
             else:
                 result = task.result()
@@ -344,6 +379,7 @@ def create_serve_app(
         Route("/api/models", service.register, methods=["POST"]),
         Route("/api/models/{name}/step", service.step, methods=["GET"]),
         Route("/api/models/{name}/train", service.train, methods=["POST"]),
+        Route("/api/models/{name}/train_sft", service.train_sft, methods=["POST"]),
         Route("/api/models/{name}/log", service.log, methods=["POST"]),
         Route("/api/models/{name}/checkpoints", service.checkpoints, methods=["GET"]),
         Route("/api/models/{name}/checkpoints/delete", service.delete, methods=["POST"]),
