@@ -17,7 +17,11 @@ from test_remote_backend import TINY, TOKEN, ServeProcess
 
 import art_nb as art
 from art_nb import events
-from art_nb.backends.remote import RemoteBackend, RemoteBackendError, RemoteTrainingError
+from art_nb.backends.remote import (
+    RemoteBackend,
+    RemoteBackendError,
+    RemoteTrainingError,
+)
 from art_nb.backends.serve import create_serve_app
 from art_nb.secrets import Secret
 from art_nb.server import start_server
