@@ -1,12 +1,13 @@
-"""`VLLMEngine`: vLLM's v1 engine, running in this process, behind the `Engine` protocol.
+"""`VLLMEngine`: vLLM's v1 engine behind the `Engine` protocol, driven from this process.
 
-In-process on purpose: the trainer lives in this process too, so one CUDA context holds both,
-and the memory vLLM frees when it sleeps is memory the trainer can use a moment later. vLLM's
-`AsyncLLM` cannot do that: it always runs its engine core in a child process (vLLM 0.25:
-`AsyncLLM` builds an `AsyncMPClient`, and `EngineCoreClient.make_client` refuses asyncio without
-multiprocessing). So we build the synchronous `LLMEngine` with its core in-process (the
-environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0, set in `create` for the duration of the
-build and restored after, which is what `vllm.LLM` runs on) and drive it from asyncio ourselves:
+We build vLLM's synchronous `LLMEngine` (what `vllm.LLM` runs on) rather than its `AsyncLLM`,
+because its engine core can run either in this process or in a child (`startup.core_mode`):
+`AsyncLLM` always puts it in a child (vLLM 0.25: `EngineCoreClient.make_client` refuses asyncio
+without multiprocessing). In this process ("thread") the trainer and vLLM share one CUDA context
+and a per-process memory cap binds both: the choice on a T4 and under a cap. In a child
+("process", the default on larger GPUs) vLLM's scheduler never waits for the notebook's Python;
+the memory vLLM frees when it sleeps is freed on the device, so the trainer can use it either way.
+The input processing and output processing stay in this process, and we drive them from asyncio:
 
 - every vLLM call (build, add_request, step, LoRA, sleep/wake) runs on ONE dedicated thread, in
   submission order, so vLLM only ever sees a single caller and the event loop never blocks;
@@ -53,7 +54,7 @@ from .base import (
     Sample,
     SamplingParams,
 )
-from .vllm_lora import install, spill
+from .vllm_lora import EXTENSION, hold, release, spill
 from .vllm_plan import VLLMSetup, capped_memory, engine_args
 from .vllm_thread import VLLMThread
 
@@ -68,12 +69,12 @@ _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class VLLMEngine:
-    """vLLM serving base weights and LoRA adapters, in this process. Build with `await VLLMEngine.create(...)`."""
+    """vLLM serving base weights and LoRA adapters. Build with `await VLLMEngine.create(...)`."""
 
     _live = 0  # engines built and not closed, in this process
 
     def __init__(self, engine: Any, thread: VLLMThread, tokenizer: Any, max_context: int,
-                 on_cuda: bool, reasons: list[str], train_awake: bool = False) -> None:
+                 on_cuda: bool, reasons: list[str], train_awake: bool = False, core: str = "thread") -> None:
         self._engine = engine
         # The memory plan's answer: training fits beside the awake engine. Turned off for good by
         # the first out-of-memory error while training beside it (`train_with`).
@@ -84,11 +85,12 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.reasons = reasons
+        self.core = core  # where vLLM's engine core runs: "process" (a child) or "thread" (this process)
         self._on_cuda = on_cuda
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
         self._adapters: dict[str, Any] = {}  # name -> LoRARequest
-        self._held: dict[int, AdapterWeights] = {}  # LoRA id -> weights vLLM builds it from (vllm_lora)
+        self._held: set[int] = set()  # LoRA ids whose weights vLLM's worker holds (vllm_lora)
         self._spilled: dict[int, Path] = {}  # LoRA id -> temporary directory, where memory cannot be used
         self._from_memory: bool | None = None  # whether vLLM takes adapters from memory; None: not tried yet
         self._asleep = False
@@ -123,11 +125,13 @@ class VLLMEngine:
         reasons = list(setup.reasons)
         for reason in reasons:
             _log.info("vLLM: %s", reason)
-        thread = VLLMThread()
-        reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
-                       "process, so its thread gets the GIL back soon after each GPU wait (vllm_thread.py)")
+        in_process = setup.core == "thread"
+        thread = VLLMThread(short_switch_interval=in_process)
+        if in_process:
+            reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in "
+                           "this process, so its thread gets the GIL back soon after each GPU wait (vllm_thread.py)")
         try:
-            engine = await thread.call(_build_engine, setup.kwargs)
+            engine = await thread.call(_build_engine, setup.kwargs, in_process)
         except Exception as exc:
             thread.stop()
             raise EngineError(f"vLLM could not start for {model_path}: {type(exc).__name__}: {exc}") from exc
@@ -139,7 +143,8 @@ class VLLMEngine:
                            "tokens a step (vLLM's defaults for an in-process engine on this device)")
             _log.info("vLLM: %s", reasons[-1])
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-        return cls(engine, thread, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake)
+        return cls(engine, thread, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake,
+                   setup.core)
 
     @property
     def dead_reason(self) -> str | None:
@@ -223,21 +228,18 @@ class VLLMEngine:
         if weights is None:
             if not (Path(path) / "adapter_config.json").is_file():
                 raise EngineError(f"{path} holds no PEFT adapter (adapter_config.json is missing)")
-        elif await self._takes_memory():
-            self._held[lora_id] = weights  # before add_lora: the worker's loader looks it up by id
-            source = f"memory (for {path})"
         else:
-            self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
-        # From memory the path is never read (the loader finds the id in `_held`); the name carries the id (docstring)
+            source = await self._hand_over(lora_id, weights, path)
+        # From memory the path is never read (the worker's loader finds the id); the name carries the id (docstring)
         lora = LoRARequest(lora_name=f"{name}#{lora_id}", lora_int_id=lora_id,
                            lora_path=str(self._spilled.get(lora_id, path)))
         try:
             added = await self._call(self._engine.add_lora, lora)
         except Exception as exc:
-            self._forget(lora_id)
+            await self._forget(lora_id)
             raise self._failed(exc, f"vLLM could not load the adapter from {source}") from exc
         if added is False:
-            self._forget(lora_id)
+            await self._forget(lora_id)
             raise EngineError(f"vLLM refused the adapter from {source}")
         previous = self._adapters.get(name)
         self._adapters[name] = lora
@@ -255,24 +257,35 @@ class VLLMEngine:
             if self.dead_reason is None:
                 await self._call(self._engine.remove_lora, lora_id)
         finally:
-            self._forget(lora_id)
+            await self._forget(lora_id)
 
-    def _forget(self, lora_id: int) -> None:
-        self._held.pop(lora_id, None)
+    async def _forget(self, lora_id: int) -> None:
+        """Drop what backs `lora_id` outside vLLM's cache: the worker's tensors or the temporary directory."""
         spilled = self._spilled.pop(lora_id, None)
         if spilled is not None:
             shutil.rmtree(spilled, ignore_errors=True)
+        if lora_id in self._held:
+            self._held.discard(lora_id)
+            if self.dead_reason is None:
+                await self._call(release, self._engine, lora_id)
 
-    async def _takes_memory(self) -> bool:
-        """Install the in-memory loader on vLLM's worker the first time; False (and why, logged) where it cannot be."""
-        if self._from_memory is None:
+    async def _hand_over(self, lora_id: int, weights: AdapterWeights, path: Path) -> str:
+        """Give vLLM's worker the tensors under `lora_id` (before add_lora); where vLLM cannot take them from
+        memory (found on the first try, logged), write them to a temporary directory. Returns the source's name."""
+        if self._from_memory is not False:
             try:
-                await self._call(install, self._engine, self._held, _vllm_version())
-                self._from_memory = True
+                await self._call(hold, self._engine, lora_id, weights, _vllm_version(), self.core == "process")
             except EngineError as error:
+                if self._from_memory:  # it worked before: this is a real failure, not a missing feature
+                    raise
                 _log.warning("%s", error)
                 self._from_memory = False
-        return self._from_memory
+            else:
+                self._from_memory = True
+                self._held.add(lora_id)
+                return f"memory (for {path})"
+        self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
+        return str(path)
 
     # ---- memory ----------------------------------------------------------------------------------
 
@@ -308,9 +321,10 @@ class VLLMEngine:
             self._engine = None
             self._thread.stop()
             await asyncio.to_thread(self._thread.join)
-            for lora_id in list(self._spilled):
-                self._forget(lora_id)
-            self._held.clear()
+            for spilled in self._spilled.values():
+                shutil.rmtree(spilled, ignore_errors=True)
+            self._spilled.clear()
+            self._held.clear()  # they lived on vLLM's worker, which is gone
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -344,10 +358,12 @@ class VLLMEngine:
         return EngineDeadError(f"{self.dead_reason}; re-register the model to start a new engine")
 
 
-def _build_engine(kwargs: dict[str, Any]) -> Any:
-    """Build the in-process LLMEngine (on the vLLM thread). The env var is read only while building."""
+def _build_engine(kwargs: dict[str, Any], in_process: bool) -> Any:
+    """Build the LLMEngine (on the vLLM thread), its core in this process or a child. vLLM reads the env
+    var while building (it also turns multiprocessing on when set), so it is set to match, then restored."""
     previous = os.environ.get(_MP_ENV)
-    os.environ[_MP_ENV] = "0"
+    os.environ[_MP_ENV] = "0" if in_process else "1"
+    kwargs = {**kwargs, "worker_extension_cls": EXTENSION}
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -362,7 +378,7 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
         # The from_engine_args default (ENGINE_CONTEXT) falls back to 128 sequences and 2048 tokens a
         # step, which halves throughput at 256 concurrent requests (bench/gpu_throughput.py measures it).
         return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in known}),
-                                          usage_context=UsageContext.LLM_CLASS)
+                                          usage_context=UsageContext.LLM_CLASS, enable_multiprocessing=not in_process)
     finally:
         if previous is None:
             os.environ.pop(_MP_ENV, None)
@@ -371,7 +387,7 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
 
 
 def _shut_down(engine: Any, last: bool) -> None:
-    """Stop vLLM's in-process core (on the vLLM thread); the last engine of the process also drops vLLM's
+    """Stop vLLM's core, here or in its child process (on the vLLM thread); the last engine of the process also drops vLLM's
     process-wide distributed state, so a later engine can start. Never raises: closing a dead engine must work."""
     # third-party: not every vLLM release's in-process core has shutdown()
     shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)

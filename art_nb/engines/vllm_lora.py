@@ -1,21 +1,25 @@
 """LoRA adapters handed to vLLM in memory: a train step's update served before its files exist.
 
 vLLM (0.25 on the GPU, 0.32's CPU build) loads an adapter only from a path: the worker's
-`WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. Its
-engine core runs in this process, so `install` puts, once, a loader on that manager (through
-`LLMEngine.collective_rpc`, which hands a callable the worker) that builds the `LoRAModel` from
-tensors for the LoRA ids held here, with the same steps as vLLM's `_load_adapter`
-(`PEFTHelper.from_dict` with the model's max positions, `validate_legal`, the module check,
-`LoRAModel.from_lora_tensors`, 0.32's validators), and calls vLLM's own loader for every other id.
-A held adapter stays held until it is unloaded: vLLM's LRU cache may evict it and load it again by id.
+`WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. So
+`WorkerExtension`, which vLLM mixes into its worker class (`EngineArgs.worker_extension_cls`), holds
+an adapter's tensors on the worker (`hold`: `collective_rpc` by method name, which reaches the worker
+whether the engine core runs in this process or in a child) and puts, once, a loader on that manager which builds the `LoRAModel` from the tensors for
+the ids held, with the same steps as vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's
+max positions, `validate_legal`, the module check, `LoRAModel.from_lora_tensors`, 0.32's validators),
+and calls vLLM's own loader for every other id. A held adapter stays held until `release`: vLLM's LRU
+cache may evict it and load it again by id.
 
-Where that structure is missing (an unknown vLLM), `install` raises an EngineError naming the
+To a child process the tensors go packed into one bytes object with an index (`pack`): vLLM decodes
+a utility call's arguments without their types, so a tensor would arrive as a bare list; bytes
+arrive as bytes, and the worker views them as tensors again without a copy.
+
+Where that structure is missing (an unknown vLLM), `hold` raises an EngineError naming the
 version; the engine then writes the tensors to a temporary directory and loads by path (`spill`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import tempfile
 from pathlib import Path
@@ -23,22 +27,83 @@ from typing import Any
 
 from .base import AdapterWeights, EngineError
 
-__all__ = ["install", "spill"]
+__all__ = ["EXTENSION", "WorkerExtension", "hold", "pack", "release", "spill", "unpack"]
 
-_MARK = "_art_nb_held"  # the attribute on vLLM's manager that says our loader is installed
+_MARK = "_art_nb_held"  # the attribute on vLLM's manager that holds the adapters (and says our loader is installed)
+EXTENSION = f"{__name__}.WorkerExtension"  # what EngineArgs.worker_extension_cls names
 
 
-def install(engine: Any, held: dict[int, AdapterWeights], version: str) -> None:
-    """Install the in-memory loader on `engine`'s worker (on the vLLM thread; idempotent).
+PackedIndex = list[tuple[str, str, list[int], int, int]]  # (name, dtype, shape, byte offset, byte count)
+_ALIGN = 16  # every tensor starts at a multiple of this in the packed bytes, so a uint8 view can become any dtype
 
-    `held` is shared with the engine, which adds an id's weights before `add_lora` and drops them
-    after `remove_lora`: the engine core is in this process, so the worker sees the same dict.
+
+def hold(engine: Any, lora_id: int, weights: AdapterWeights, version: str, packed: bool = False) -> None:
+    """Hold `weights` on `engine`'s worker under `lora_id`, for the `add_lora` that follows (on the vLLM thread).
+
+    `packed`: the worker is in another process (see the module docstring). Raises EngineError when
+    vLLM cannot take an adapter from memory (the caller spills it instead).
     """
     try:
-        engine.collective_rpc(functools.partial(_install_on_worker, held=held))
-    except _Unsupported as exc:
-        raise EngineError(f"vLLM {version} cannot take an adapter from memory here ({exc}); "
+        if packed:
+            engine.collective_rpc("art_nb_hold_packed_adapter", args=(lora_id, weights.config, *pack(weights.tensors)))
+        else:
+            engine.collective_rpc("art_nb_hold_adapter", args=(lora_id, weights.config, weights.tensors))
+    except Exception as exc:  # noqa: BLE001 - in a child process the worker's error comes back re-raised as vLLM's
+        raise EngineError(f"vLLM {version} cannot take an adapter from memory here ({type(exc).__name__}: {exc}); "
                           "art_nb loads it from a temporary directory instead") from exc
+
+
+def release(engine: Any, lora_id: int) -> None:
+    """Drop the tensors held under `lora_id` (after vLLM's `remove_lora`: until then it may re-load them)."""
+    engine.collective_rpc("art_nb_release_adapter", args=(lora_id,))
+
+
+class WorkerExtension:
+    """Methods vLLM adds to its worker (`EngineArgs.worker_extension_cls`), named so they clash with none of its own."""
+
+    def art_nb_hold_adapter(self, lora_id: int, config: dict[str, Any], tensors: dict[str, Any]) -> None:
+        _held_on(self)[lora_id] = AdapterWeights(tensors=tensors, config=config)
+
+    def art_nb_hold_packed_adapter(self, lora_id: int, config: dict[str, Any], index: PackedIndex,
+                                   data: bytes | memoryview) -> None:
+        _held_on(self)[lora_id] = AdapterWeights(tensors=unpack(index, data), config=config)
+
+    def art_nb_release_adapter(self, lora_id: int) -> None:
+        _held_on(self).pop(lora_id, None)
+
+
+def pack(tensors: dict[str, Any]) -> tuple[PackedIndex, memoryview]:
+    """`tensors` as one buffer and the index `unpack` reads it back with (one copy of the data, in one torch.cat)."""
+    import torch
+
+    index: PackedIndex = []
+    pieces = []
+    offset = 0
+    for name, tensor in tensors.items():
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        index.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, flat.numel()))
+        pieces.append(flat)
+        pad = -flat.numel() % _ALIGN
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8))
+        offset += flat.numel() + pad
+    buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    return index, memoryview(buffer.numpy())  # msgpack sends it as bytes, without another copy here
+
+
+def unpack(index: PackedIndex, data: bytes | memoryview) -> dict[str, Any]:
+    """The tensors `pack` packed, as views of `data` (read-only memory: vLLM's loader copies them anyway)."""
+    import warnings
+
+    import torch
+
+    if not data:
+        return {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, dtype, shape, _, _ in index}
+    with warnings.catch_warnings():  # torch warns that bytes are not writable; nothing writes to these views
+        warnings.simplefilter("ignore", UserWarning)
+        buffer = torch.frombuffer(data, dtype=torch.uint8)
+    return {name: buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+            for name, dtype, shape, start, nbytes in index}
 
 
 def spill(weights: AdapterWeights, root: Path | None = None) -> Path:
@@ -56,13 +121,15 @@ class _Unsupported(RuntimeError):
     """vLLM's worker lacks the structure the in-memory loader relies on."""
 
 
-def _install_on_worker(worker: Any, held: dict[int, AdapterWeights]) -> None:
+def _held_on(worker: Any) -> dict[int, AdapterWeights]:
+    """The worker's held adapters; the first call installs the loader that reads them on vLLM's manager."""
     # third-party: vLLM's model runners (LoRAModelRunnerMixin, 0.25 and 0.32) keep the WorkerLoRAManager here
     manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
     if manager is None:
         raise _Unsupported("the worker's model_runner has no lora_manager")
-    if getattr(manager, _MARK, None) is held:  # third-party: our own mark on vLLM's manager
-        return
+    held = getattr(manager, _MARK, None)  # third-party: our own mark on vLLM's manager
+    if held is not None:
+        return held
     needed = ("_load_adapter", "_adapter_manager", "_lora_model_cls", "lora_config", "vocab_size",
               "max_position_embeddings")
     # third-party: WorkerLoRAManager's private members, as vLLM 0.25 and 0.32 have them
@@ -73,6 +140,7 @@ def _install_on_worker(worker: Any, held: dict[int, AdapterWeights]) -> None:
     if missing:
         raise _Unsupported(f"{type(manager).__name__} has no {', '.join(missing)}")
     from_disk = manager._load_adapter
+    held = {}
 
     def load(lora_request: Any) -> Any:
         weights = held.get(lora_request.lora_int_id)
@@ -82,6 +150,7 @@ def _install_on_worker(worker: Any, held: dict[int, AdapterWeights]) -> None:
 
     manager._load_adapter = load  # an instance attribute: add_adapter calls self._load_adapter
     setattr(manager, _MARK, held)
+    return held
 
 
 def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> Any:
