@@ -83,8 +83,9 @@ def main() -> None:
     parser.add_argument("--part", help=argparse.SUPPRESS)  # a child process: measure one mode
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per mode")
+    parser.add_argument("--out", type=Path, default=None, help="folder for gpu_startup.json (default $OUT)")
     args = parser.parse_args()
-    out_dir = default_out_dir()
+    out_dir = args.out or default_out_dir()
     if args.part:
         measure_part(out_dir, args.part, lambda write: measure(args.model, args.part))
         return
@@ -92,7 +93,7 @@ def main() -> None:
     results = Results(out_dir / "gpu_startup.json", command=" ".join(sys.argv), model=str(model_dir))
     for mode in args.modes:
         with results.section(mode) as entry:
-            data = run_part(Path(__file__), mode, ["--model", str(model_dir)], out_dir, args.timeout,
+            data = run_part(Path(__file__), mode, ["--model", str(model_dir), "--out", str(out_dir)], out_dir, args.timeout,
                             env=startup_env(mode))
             entry.update(data)
             if "error" in data:

@@ -22,7 +22,8 @@ the model's distribution before temperature/top-p, which is what the trainer rec
 caches adapters by id and prefix-cache blocks by LoRA name (0.25; name and path in 0.32): reusing
 either for new weights would serve KV computed with the old ones. A train step hands its
 adapter over in memory (`load_adapter(..., weights=)`): vLLM builds it from those tensors
-(`vllm_lora`) and never reads the directory, where the checkpoint lands later in the background.
+(`vllm_lora`) and never reads the directory, where the checkpoint lands later in the background;
+with the core in a child process, from files written to /dev/shm (RAM) for it instead.
 
 Around a train step the engine arranges its own memory (`train_with`): it sleeps (level 1: KV
 cache freed, weights to CPU) unless the memory plan (`vllm_plan.engine_args`) says training fits
@@ -66,6 +67,7 @@ __all__ = ["VLLMEngine", "VLLMSetup", "capped_memory", "engine_args"]
 _log = logging.getLogger("art_nb")
 _T = TypeVar("_T")
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_SHM = Path("/dev/shm")  # RAM-backed on Linux: an adapter's files there never touch a disk
 
 
 class VLLMEngine:
@@ -270,11 +272,12 @@ class VLLMEngine:
                 await self._call(release, self._engine, lora_id)
 
     async def _hand_over(self, lora_id: int, weights: AdapterWeights, path: Path) -> str:
-        """Give vLLM's worker the tensors under `lora_id` (before add_lora); where vLLM cannot take them from
-        memory (found on the first try, logged), write them to a temporary directory. Returns the source's name."""
-        if self._from_memory is not False:
+        """Give vLLM `weights` under `lora_id` (before add_lora) and return the source's name: held on its
+        worker when the core runs here; as files in /dev/shm when it runs in a child (vllm_lora.py says
+        why), or in the temporary directory where /dev/shm is missing, small, or vLLM cannot take memory."""
+        if self.core == "thread" and self._from_memory is not False:
             try:
-                await self._call(hold, self._engine, lora_id, weights, _vllm_version(), self.core == "process")
+                await self._call(hold, self._engine, lora_id, weights, _vllm_version())
             except EngineError as error:
                 if self._from_memory:  # it worked before: this is a real failure, not a missing feature
                     raise
@@ -284,8 +287,9 @@ class VLLMEngine:
                 self._from_memory = True
                 self._held.add(lora_id)
                 return f"memory (for {path})"
-        self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
-        return str(path)
+        root = _SHM if self.core == "process" and _room_for(_SHM, weights) else None
+        self._spilled[lora_id] = await asyncio.to_thread(spill, weights, root)
+        return f"{self._spilled[lora_id]} (for {path})"
 
     # ---- memory ----------------------------------------------------------------------------------
 
@@ -398,6 +402,15 @@ def _shut_down(engine: Any, last: bool) -> None:
             step()
         except Exception as exc:  # noqa: BLE001 - closing must work on an engine that already died
             _log.warning("vLLM %s: %s: %s", what, type(exc).__name__, exc)
+
+
+def _room_for(root: Path, weights: AdapterWeights) -> bool:
+    """Whether `root` exists and has room for twice `weights` (a container's /dev/shm may be 64 MB)."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return False
+    return free > 2 * sum(t.numel() * t.element_size() for t in weights.tensors.values()) + 2**20
 
 
 def _vllm_version() -> str:

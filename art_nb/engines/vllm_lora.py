@@ -3,16 +3,17 @@
 vLLM (0.25 on the GPU, 0.32's CPU build) loads an adapter only from a path: the worker's
 `WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. So
 `WorkerExtension`, which vLLM mixes into its worker class (`EngineArgs.worker_extension_cls`), holds
-an adapter's tensors on the worker (`hold`: `collective_rpc` by method name, which reaches the worker
-whether the engine core runs in this process or in a child) and puts, once, a loader on that manager which builds the `LoRAModel` from the tensors for
-the ids held, with the same steps as vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's
-max positions, `validate_legal`, the module check, `LoRAModel.from_lora_tensors`, 0.32's validators),
-and calls vLLM's own loader for every other id. A held adapter stays held until `release`: vLLM's LRU
+an adapter's tensors on the worker (`hold`: `collective_rpc` by method name) and puts, once, a
+loader on that manager which builds the `LoRAModel` from the tensors for the ids held, with the same
+steps as vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's max positions,
+`validate_legal`, the module check, `LoRAModel.from_lora_tensors`, 0.32's validators), and calls
+vLLM's own loader for every other id. A held adapter stays held until `release`: vLLM's LRU
 cache may evict it and load it again by id.
 
-To a child process the tensors go packed into one bytes object with an index (`pack`): vLLM decodes
-a utility call's arguments without their types, so a tensor would arrive as a bare list; bytes
-arrive as bytes, and the worker views them as tensors again without a copy.
+With the engine core in a child process the engine does not use this: there the tensors would
+cross vLLM's message socket (vLLM decodes a utility call's arguments without their types, so they
+would have to go as bytes), which on the CPU build took 54-110 ms for an 18.6 MB adapter against
+17-24 ms to write it to /dev/shm and 34-50 ms for vLLM to load it from there; it spills (`spill`).
 
 Where that structure is missing (an unknown vLLM), `hold` raises an EngineError naming the
 version; the engine then writes the tensors to a temporary directory and loads by path (`spill`).
@@ -27,27 +28,19 @@ from typing import Any
 
 from .base import AdapterWeights, EngineError
 
-__all__ = ["EXTENSION", "WorkerExtension", "hold", "pack", "release", "spill", "unpack"]
+__all__ = ["EXTENSION", "WorkerExtension", "hold", "release", "spill"]
 
 _MARK = "_art_nb_held"  # the attribute on vLLM's manager that holds the adapters (and says our loader is installed)
 EXTENSION = f"{__name__}.WorkerExtension"  # what EngineArgs.worker_extension_cls names
 
 
-PackedIndex = list[tuple[str, str, list[int], int, int]]  # (name, dtype, shape, byte offset, byte count)
-_ALIGN = 16  # every tensor starts at a multiple of this in the packed bytes, so a uint8 view can become any dtype
-
-
-def hold(engine: Any, lora_id: int, weights: AdapterWeights, version: str, packed: bool = False) -> None:
+def hold(engine: Any, lora_id: int, weights: AdapterWeights, version: str) -> None:
     """Hold `weights` on `engine`'s worker under `lora_id`, for the `add_lora` that follows (on the vLLM thread).
 
-    `packed`: the worker is in another process (see the module docstring). Raises EngineError when
-    vLLM cannot take an adapter from memory (the caller spills it instead).
+    Raises EngineError when vLLM cannot take an adapter from memory (the caller spills it instead).
     """
     try:
-        if packed:
-            engine.collective_rpc("art_nb_hold_packed_adapter", args=(lora_id, weights.config, *pack(weights.tensors)))
-        else:
-            engine.collective_rpc("art_nb_hold_adapter", args=(lora_id, weights.config, weights.tensors))
+        engine.collective_rpc("art_nb_hold_adapter", args=(lora_id, weights.config, weights.tensors))
     except Exception as exc:  # noqa: BLE001 - in a child process the worker's error comes back re-raised as vLLM's
         raise EngineError(f"vLLM {version} cannot take an adapter from memory here ({type(exc).__name__}: {exc}); "
                           "art_nb loads it from a temporary directory instead") from exc
@@ -64,50 +57,13 @@ class WorkerExtension:
     def art_nb_hold_adapter(self, lora_id: int, config: dict[str, Any], tensors: dict[str, Any]) -> None:
         _held_on(self)[lora_id] = AdapterWeights(tensors=tensors, config=config)
 
-    def art_nb_hold_packed_adapter(self, lora_id: int, config: dict[str, Any], index: PackedIndex,
-                                   data: bytes | memoryview) -> None:
-        _held_on(self)[lora_id] = AdapterWeights(tensors=unpack(index, data), config=config)
-
     def art_nb_release_adapter(self, lora_id: int) -> None:
         _held_on(self).pop(lora_id, None)
 
 
-def pack(tensors: dict[str, Any]) -> tuple[PackedIndex, memoryview]:
-    """`tensors` as one buffer and the index `unpack` reads it back with (one copy of the data, in one torch.cat)."""
-    import torch
-
-    index: PackedIndex = []
-    pieces = []
-    offset = 0
-    for name, tensor in tensors.items():
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        index.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, flat.numel()))
-        pieces.append(flat)
-        pad = -flat.numel() % _ALIGN
-        if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8))
-        offset += flat.numel() + pad
-    buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-    return index, memoryview(buffer.numpy())  # msgpack sends it as bytes, without another copy here
-
-
-def unpack(index: PackedIndex, data: bytes | memoryview) -> dict[str, Any]:
-    """The tensors `pack` packed, as views of `data` (read-only memory: vLLM's loader copies them anyway)."""
-    import warnings
-
-    import torch
-
-    if not data:
-        return {name: torch.empty(shape, dtype=getattr(torch, dtype)) for name, dtype, shape, _, _ in index}
-    with warnings.catch_warnings():  # torch warns that bytes are not writable; nothing writes to these views
-        warnings.simplefilter("ignore", UserWarning)
-        buffer = torch.frombuffer(data, dtype=torch.uint8)
-    return {name: buffer[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
-            for name, dtype, shape, start, nbytes in index}
-
-
 def spill(weights: AdapterWeights, root: Path | None = None) -> Path:
-    """`weights` as a PEFT directory (adapter_model.safetensors + adapter_config.json) in a new temporary one."""
+    """`weights` as a PEFT directory (adapter_model.safetensors + adapter_config.json) in a new temporary one
+    under `root` (None: the system's temporary directory)."""
     from safetensors.torch import save_file
 
     directory = Path(tempfile.mkdtemp(prefix="art_nb-lora-", dir=root))

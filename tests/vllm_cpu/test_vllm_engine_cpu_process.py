@@ -1,7 +1,8 @@
 """art_nb's vLLM engine with its engine core in a child process (`ModelConfig.vllm_core="process"`, the
 default on GPUs of 24 GiB or more), on vLLM's CPU build: engine_check.py's checks, minus the
 comparisons with transformers. What differs from the in-process core: every call crosses vLLM's
-socket, and an adapter's tensors reach the worker packed into bytes (engines/vllm_lora.py)."""
+socket, and a train step's adapter reaches vLLM as files in /dev/shm, not through its socket
+(engines/vllm_lora.py says why)."""
 
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ def test_sampling_batching_and_adapters_work_across_the_process_boundary(recorde
     assert recorded["cancel"]["unfinished_in_vllm"] is False
 
 
-def test_adapters_handed_over_packed_serve_exactly_what_their_files_serve(recorded):
+def test_adapters_handed_over_through_shared_memory_serve_exactly_what_their_files_serve(recorded):
     memory = recorded["memory"]
-    assert memory["from_memory"] is True and memory["path_exists"] is False
+    assert memory["served_from"] == "/dev/shm" and memory["path_exists"] is False
     assert memory["tokens_equal"] and memory["r8_tokens_equal"] and memory["differs_from_r8"]
     assert memory["max_abs_logprob_gap"] == 0.0 == memory["r8_max_abs_logprob_gap"]
-    evicted = recorded["evicted"]  # re-loaded from the worker's held copy after vLLM's cache dropped it
+    evicted = recorded["evicted"]  # re-loaded from /dev/shm after vLLM's cache dropped it
     assert evicted["evicted"] and evicted["tokens_equal"] and evicted["weights_untouched"]
-    assert recorded["spill"]["tokens_equal"] and recorded["spill"]["removed"]
+    assert recorded["spill"]["tokens_equal"] and recorded["spill"]["removed"] and recorded["spill"]["held_after_unload"]
     assert recorded["handover"]["held_after_all_unloaded"] == 0
 
 
