@@ -90,6 +90,8 @@ def core_mode(config: ModelConfig, on_cuda: bool, device_total: int | None = Non
         return env, f"{CORE_ENV} is set"  # type: ignore[return-value]
     if config.vllm_core is not None:
         return config.vllm_core, "set in ModelConfig.vllm_core"
+    return "thread", ("art_nb's default: in this process (a child process measured slower through the endpoint "
+                      "on the H200, bench/results/h200/gpu_throughput_core_process.json)")
     if not on_cuda:
         return "thread", "vLLM's CPU build: the engine core runs in this process"
     if capped:
