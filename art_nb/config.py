@@ -57,11 +57,6 @@ class ModelConfig(BaseModel):
         None, description="how vLLM starts on a GPU: 'fast' (no torch.compile, CUDA graphs for decoding only), "
         "'compiled' (vLLM's default: slowest start, fastest decoding), 'eager' (no graphs); None: art_nb's "
         "default, now 'fast'. The environment variable ART_NB_VLLM_STARTUP overrides it")
-    vllm_core: Literal["process", "thread"] | None = Field(
-        None, description="where vLLM's engine core runs: 'process' (a child process: its scheduling and "
-        "kernel launches never wait for the notebook's Python), 'thread' (in this process, on art_nb's vLLM "
-        "thread: one CUDA context less, and held to this process's memory cap); None: 'process' on a GPU of "
-        "24 GiB or more without a memory cap, else 'thread'. The environment variable ART_NB_VLLM_CORE overrides it")
     sleep_during_training: bool | None = Field(
         None, description="put vLLM to sleep while a step trains; None = only when training would not fit beside it")
     seed: int = 0

@@ -133,7 +133,6 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     result["choices"] = backend.choices(model)
     engine = backend._state(model).engine
     result["engine_reasons"] = getattr(engine, "reasons", [])
-    result["core"] = getattr(engine, "core", None)  # where vLLM's engine core ran: "process" (a child) or "thread"
     core = getattr(engine, "_engine", None)  # the LLMEngine inside art_nb's engine
     if core is not None:
         result["graph_setting"] = graph_setting(getattr(core, "vllm_config", None))

@@ -92,9 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="a transformers folder instead of the random 3B")
     parser.add_argument("--startup", nargs="+", choices=STARTUP_MODES, default=["fast"],
                         help="vLLM start-up modes to measure, one after the other (each: plain + art_nb)")
-    parser.add_argument("--core", choices=("process", "thread"), default=None,
-                        help="where vLLM's engine core runs, art_nb's and plain vLLM's alike (default: art_nb's "
-                             "choice for this GPU; plain vLLM then runs with multiprocessing on for 'process')")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None, help="completion tokens per request (fixed)")
@@ -126,8 +123,7 @@ def forwarded(args: argparse.Namespace, model_dir: Path, mode: str, stop_by: flo
             "--repeats", str(args.repeats), "--side-repeats", str(args.side_repeats),
             "--batch-sizes", *map(str, args.batch_sizes), "--hf-batch-sizes", *map(str, args.hf_batch_sizes),
             "--startup-mode", mode, "--stop-by", str(stop_by)]
-    return (argv + (["--quick"] if args.quick else []) + (["--py-spy", str(args.py_spy)] if args.py_spy else [])
-            + (["--core", args.core] if args.core else []))
+    return argv + (["--quick"] if args.quick else []) + (["--py-spy", str(args.py_spy)] if args.py_spy else [])
 
 
 def model_config(args: argparse.Namespace, engine: str) -> Any:
@@ -309,10 +305,8 @@ def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     prompts = [prompt_ids(tokenizer, m) for m in rollout_prompts(max(args.batch_sizes))]
     setup = engine_args(args.model, model_config(args, "vllm"), on_cuda())  # reads the start-up mode
     kwargs = setup.kwargs
-    core = getattr(setup, "core", "thread")  # where art_nb runs the core, with these settings
-    result.update(engine_kwargs=kwargs, reasons=setup.reasons, core=core)
-    # The core where art_nb runs it: in this process, or in a child (vLLM's own default for `LLM`)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core == "process" else "0"
+    result.update(engine_kwargs=kwargs, reasons=setup.reasons)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process, as art_nb runs it
     started = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -376,7 +370,6 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
     result["choices"] = backend.choices(model)
     engine = backend._state(model).engine
     result["engine_reasons"] = getattr(engine, "reasons", [])
-    result["core"] = getattr(engine, "core", "thread")
     vllm = engine_kind == "vllm"
     core = getattr(engine, "_engine", None) if vllm else None  # the LLMEngine inside art_nb's engine
     if core is not None:
@@ -487,7 +480,6 @@ def main(argv: list[str] | None = None) -> None:
                       settings={"batch_sizes": args.batch_sizes, "hf_batch_sizes": args.hf_batch_sizes,
                                 "completion_tokens": args.tokens, "repeats": args.repeats,
                                 "side_repeats": args.side_repeats, "quick": args.quick, "startup": args.startup,
-                                "core": args.core or "art_nb's default for the GPU (see each part's core / engine_reasons)",
                                 "warmup_tokens": WARMUP_TOKENS, "modes": list(ART_MODES),
                                 "sampling": "temperature 1, seed per request, ignore_eos; plain vLLM asks for the "
                                             "sampled token's logprob (logprobs=0), as art_nb's engine does"})
@@ -503,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
                                        f"alone with --startup {mode} --parts {part}")
                 timeout = PART_BUDGET_S[part] * 10 if args.quick else min(PART_BUDGET_S[part] * 1.5, left - 10)
                 entry.update(run_part(Path(__file__), part, forwarded(args, model_dir, mode, stop_by - 15),
-                                      args.out, timeout_s=timeout, env=part_env(args, mode),
+                                      args.out, timeout_s=timeout, env=startup_env(mode),
                                       name=part_name(part, mode)))
                 if "error" in entry:
                     raise RuntimeError(entry["error"])
@@ -514,11 +506,6 @@ def main(argv: list[str] | None = None) -> None:
             f"{mode}: " + ", ".join(f"B={b} endpoint/plain {r['endpoint_over_plain']}"
                                     for b, r in found["ratios"].items())
             for mode, found in entry["startup"].items())
-
-
-def part_env(args: argparse.Namespace, mode: str) -> dict[str, str]:
-    """A part's environment: the start-up mode, and the core's place where one was asked."""
-    return {**startup_env(mode), **({"ART_NB_VLLM_CORE": args.core} if args.core else {})}
 
 
 def part_summary(entry: dict[str, Any]) -> str:

@@ -5,13 +5,12 @@
 #
 # SEGMENT      what runs                                                     expected on an H200
 # throughput   gpu_throughput.py --startup fast eager (plain vLLM + art_nb)   ~7.5 min (fast ~2.5, eager ~4.2)
-#              (the engine core where art_nb puts it on this GPU; ISSUE15_CORE=thread|process forces both sides)
 # step         gpu_step.py (art_nb vs TRL colocated, both vLLM "fast")        ~5 min
 # t4           gpu_t4_vs_unsloth.py (Unsloth's T4 recipe vs art_nb's T4 config, 15 GiB cap)   ~7 min
 # memory       gpu_memory_fit.py (the 2048 notebook's config, 15 GiB cap)    ~6.5 min
 # prefix       hf_prefix_cache.py on the GPU (transformers engine, SmolLM2): multi-turn rollouts with the
 #              prefix cache off and on                                       ~2 min (estimated)
-# startup      gpu_startup.py --modes fast, the engine core in a child and in this process   ~3 min (estimated)
+# startup      gpu_startup.py --modes fast eager: register's phases in a fresh process   ~3 min (estimated)
 #
 # Unpacks the staged parts first (idempotent: seconds when the machine is still warm) and builds the
 # random 3B model once per machine (~10-45 s). Results: $OUT/bench/<benchmark>.json, rewritten after
@@ -42,8 +41,7 @@ bench() {
 deadline_flag() { echo "--deadline-s $(( $(left) - 25 < $1 ? $(left) - 25 : $1 ))"; }
 
 case "$SEGMENT" in
-  throughput) bench gpu_throughput.py --startup fast eager ${ISSUE15_CORE:+--core $ISSUE15_CORE} $(deadline_flag 540)
-              FILE=gpu_throughput ;;
+  throughput) bench gpu_throughput.py --startup fast eager $(deadline_flag 540); FILE=gpu_throughput ;;
   step)       bench gpu_step.py --startup fast $(deadline_flag 520); FILE=gpu_step ;;
   t4)         # Unsloth's fast_inference loads vLLM's quantisation path, which imports compressed_tensors (vLLM 0.25
               # pins 0.17.0; not in the staged vLLM site): carry .gpu/extra/ with compressed_tensors-0.17.0 and loguru
@@ -54,11 +52,7 @@ case "$SEGMENT" in
               bench gpu_t4_vs_unsloth.py $(deadline_flag 460); FILE=gpu_t4_vs_unsloth ;;
   memory)     bench gpu_memory_fit.py --startup fast; FILE=gpu_memory_fit ;;
   prefix)     bench hf_prefix_cache.py --out "$OUT/bench/hf_prefix_cache_h200.json"; FILE=hf_prefix_cache_h200 ;;
-  startup)    for core in process thread; do
-                ART_NB_VLLM_CORE=$core bench gpu_startup.py --modes fast
-                mv "$OUT/bench/gpu_startup.json" "$OUT/bench/gpu_startup_$core.json" 2>/dev/null
-              done
-              FILE=gpu_startup_thread ;;
+  startup)    bench gpu_startup.py --modes fast eager; FILE=gpu_startup ;;
   *) echo "unknown segment $SEGMENT: throughput, step, t4, memory, prefix or startup"; exit 2 ;;
 esac
 

@@ -12,7 +12,7 @@ import pytest
 # handed out in collection order; giving out the longest first keeps one worker from starting a
 # 2-minute file while the other has nothing left. Seconds per file on a 2-core CPU, the slowest
 # first (fresh-clone CI logs, 2026-12-01): notebooks ~170 (two kernels), install cell ~130, compat
-# ~120 (a test at a time, below), browser ~115, vLLM CPU ~60 + ~35 + ~50 (the core in a child); then the integration and fault
+# ~120 (a test at a time, below), browser ~115, vLLM CPU ~60 + ~35; then the integration and fault
 # files; the unit files, each a few seconds, fill the end. New files go after the listed ones, in their directory's place.
 _LONGEST_FIRST = (
     "notebooks/test_notebooks.py",
@@ -21,7 +21,6 @@ _LONGEST_FIRST = (
     "ui/test_dashboard_ui.py",
     "vllm_cpu/test_vllm_engine_cpu.py",
     "vllm_cpu/test_vllm_backend_cpu.py",
-    "vllm_cpu/test_vllm_engine_cpu_process.py",
     "integration/test_local_backend.py",
     "integration/test_remote_backend.py",
     "faults/test_http_hardening.py",

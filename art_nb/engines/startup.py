@@ -12,16 +12,6 @@ prefill. Hence three modes (`ModelConfig.vllm_startup`, or ART_NB_VLLM_STARTUP f
   size list and LoRA-active graphs only: the fastest decoding, the slowest start.
 - "eager": `enforce_eager`, no compile and no graphs (the old ART_NB_VLLM_ENFORCE_EAGER=1).
 
-Where the engine core runs (`ModelConfig.vllm_core`, or ART_NB_VLLM_CORE; `core_mode`):
-
-- "process": vLLM's own `SyncMPClient`, the core in a child process. Measured on the H200 (3B,
-  decode CUDA graphs): in this process the core's ~0.4 ms of Python per step shares one GIL with the
-  endpoint and the notebook's client, and 256 concurrent requests ran at 0.58x plain vLLM. In a
-  child it waits for nobody. It costs a second CUDA context (~0.5 GiB) and a copy of each adapter's
-  tensors through vLLM's message socket, and a per-process memory cap cannot bind the child.
-- "thread": the core in this process, on art_nb's vLLM thread (vllm_thread.py): the choice on small
-  GPUs (a T4's 15 GiB) and under a memory cap, and on vLLM's CPU build.
-
 On vLLM's CPU build only "eager" changes anything (the rest is vLLM's own CPU choice). vLLM's
 `CompilationConfig` refuses unknown keys, so the keys sent are those the installed vLLM declares,
 read from its source without importing it (an import takes ~20 s and belongs on vLLM's thread).
@@ -39,20 +29,13 @@ from typing import Any, Literal, get_args
 
 from ..config import ModelConfig
 
-__all__ = ["CORE_ENV", "CHILD_CONTEXT_BYTES", "STARTUP_ENV", "CoreMode", "StartupMode", "capture_sizes", "core_mode",
-           "import_vllm", "startup_kwargs", "startup_mode"]
+__all__ = ["STARTUP_ENV", "StartupMode", "capture_sizes", "import_vllm", "startup_kwargs", "startup_mode"]
 
 _log = logging.getLogger("art_nb")
 StartupMode = Literal["fast", "compiled", "eager"]
 STARTUP_ENV = "ART_NB_VLLM_STARTUP"
 _EAGER_ENV = "ART_NB_VLLM_ENFORCE_EAGER"
 _DEFAULT: StartupMode = "fast"
-CoreMode = Literal["process", "thread"]
-CORE_ENV = "ART_NB_VLLM_CORE"
-# The child's own CUDA context (~0.5 GiB on an H100/H200) and torch's start-up allocations: vLLM
-# takes its memory snapshot after creating them, so they sit outside its share; the plan leaves them out.
-CHILD_CONTEXT_BYTES = 2**30
-_CHILD_MIN_DEVICE_BYTES = 24 * 2**30  # below this (a T4's 15 GiB, a 16 GiB card) the child's context is memory training needs
 # Batch sizes with a CUDA graph: a batch pads up to the next one (vLLM's default list has 51 up to
 # 512). vLLM captures decode graphs only up to its max_num_seqs and none above max_num_batched_tokens;
 # its in-process scheduler runs at least 256 sequences (1024 on an H100/H200), hence up to 512 as
@@ -76,31 +59,6 @@ def startup_mode(config: ModelConfig, enforce_eager: bool | None = None) -> tupl
         return config.vllm_startup, "set in ModelConfig.vllm_startup"
     return _DEFAULT, ("art_nb's default: no torch.compile, CUDA graphs for decoding only (starts ~1 min "
                       "sooner than vLLM's compiled default; prefill runs eager)")
-
-
-def core_mode(config: ModelConfig, on_cuda: bool, device_total: int | None = None,
-              capped: bool = False) -> tuple[CoreMode, str]:
-    """Where vLLM's engine core runs, and why: ART_NB_VLLM_CORE, then `ModelConfig.vllm_core`, then the
-    device (see the module docstring). `device_total`: the GPU's bytes; `capped`: this process runs
-    under `torch.cuda.set_per_process_memory_fraction`, which a child process would not be held to."""
-    env = os.environ.get(CORE_ENV, "").strip().lower()
-    if env:
-        if env not in get_args(CoreMode):
-            raise ValueError(f"{CORE_ENV}={env!r}: expected one of {', '.join(get_args(CoreMode))}")
-        return env, f"{CORE_ENV} is set"  # type: ignore[return-value]
-    if config.vllm_core is not None:
-        return config.vllm_core, "set in ModelConfig.vllm_core"
-    return "thread", ("art_nb's default: in this process (a child process measured slower through the endpoint "
-                      "on the H200, bench/results/h200/gpu_throughput_core_process.json)")
-    if not on_cuda:
-        return "thread", "vLLM's CPU build: the engine core runs in this process"
-    if capped:
-        return "thread", "this process runs under a memory cap, which a child process would not be held to"
-    if device_total is not None and device_total < _CHILD_MIN_DEVICE_BYTES:
-        return "thread", (f"a {device_total / 2**30:.0f} GiB GPU: a child process's CUDA context would take "
-                          "memory training needs")
-    return "process", ("a child process, so its scheduling and kernel launches never wait for the notebook's "
-                       "Python (one GIL for vLLM, the endpoint and the client cost 20-40% at 64-256 requests)")
 
 
 def import_vllm() -> None:

@@ -1,13 +1,12 @@
-"""`VLLMEngine`: vLLM's v1 engine behind the `Engine` protocol, driven from this process.
+"""`VLLMEngine`: vLLM's v1 engine, running in this process, behind the `Engine` protocol.
 
-We build vLLM's synchronous `LLMEngine` (what `vllm.LLM` runs on) rather than its `AsyncLLM`,
-because its engine core can run either in this process or in a child (`startup.core_mode`):
-`AsyncLLM` always puts it in a child (vLLM 0.25: `EngineCoreClient.make_client` refuses asyncio
-without multiprocessing). In this process ("thread") the trainer and vLLM share one CUDA context
-and a per-process memory cap binds both: the choice on a T4 and under a cap. In a child
-("process", the default on larger GPUs) vLLM's scheduler never waits for the notebook's Python;
-the memory vLLM frees when it sleeps is freed on the device, so the trainer can use it either way.
-The input processing and output processing stay in this process, and we drive them from asyncio:
+In-process on purpose: the trainer lives in this process too, so one CUDA context holds both,
+and the memory vLLM frees when it sleeps is memory the trainer can use a moment later. vLLM's
+`AsyncLLM` cannot do that: it always runs its engine core in a child process (vLLM 0.25:
+`AsyncLLM` builds an `AsyncMPClient`, and `EngineCoreClient.make_client` refuses asyncio without
+multiprocessing). So we build the synchronous `LLMEngine` with its core in-process (the
+environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0, set in `create` for the duration of the
+build and restored after, which is what `vllm.LLM` runs on) and drive it from asyncio ourselves:
 
 - every vLLM call (build, add_request, step, LoRA, sleep/wake) runs on ONE dedicated thread, in
   submission order, so vLLM only ever sees a single caller and the event loop never blocks;
@@ -22,8 +21,7 @@ the model's distribution before temperature/top-p, which is what the trainer rec
 caches adapters by id and prefix-cache blocks by LoRA name (0.25; name and path in 0.32): reusing
 either for new weights would serve KV computed with the old ones. A train step hands its
 adapter over in memory (`load_adapter(..., weights=)`): vLLM builds it from those tensors
-(`vllm_lora`) and never reads the directory, where the checkpoint lands later in the background;
-with the core in a child process, from files written to /dev/shm (RAM) for it instead.
+(`vllm_lora`) and never reads the directory, where the checkpoint lands later in the background.
 
 Around a train step the engine arranges its own memory (`train_with`): it sleeps (level 1: KV
 cache freed, weights to CPU) unless the memory plan (`vllm_plan.engine_args`) says training fits
@@ -67,16 +65,15 @@ __all__ = ["VLLMEngine", "VLLMSetup", "capped_memory", "engine_args"]
 _log = logging.getLogger("art_nb")
 _T = TypeVar("_T")
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-_SHM = Path("/dev/shm")  # RAM-backed on Linux: an adapter's files there never touch a disk
 
 
 class VLLMEngine:
-    """vLLM serving base weights and LoRA adapters. Build with `await VLLMEngine.create(...)`."""
+    """vLLM serving base weights and LoRA adapters, in this process. Build with `await VLLMEngine.create(...)`."""
 
     _live = 0  # engines built and not closed, in this process
 
     def __init__(self, engine: Any, thread: VLLMThread, tokenizer: Any, max_context: int,
-                 on_cuda: bool, reasons: list[str], train_awake: bool = False, core: str = "thread") -> None:
+                 on_cuda: bool, reasons: list[str], train_awake: bool = False) -> None:
         self._engine = engine
         # The memory plan's answer: training fits beside the awake engine. Turned off for good by
         # the first out-of-memory error while training beside it (`train_with`).
@@ -87,7 +84,6 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.reasons = reasons
-        self.core = core  # where vLLM's engine core runs: "process" (a child) or "thread" (this process)
         self._on_cuda = on_cuda
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
@@ -127,13 +123,11 @@ class VLLMEngine:
         reasons = list(setup.reasons)
         for reason in reasons:
             _log.info("vLLM: %s", reason)
-        in_process = setup.core == "thread"
-        thread = VLLMThread(short_switch_interval=in_process)
-        if in_process:
-            reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in "
-                           "this process, so its thread gets the GIL back soon after each GPU wait (vllm_thread.py)")
+        thread = VLLMThread()
+        reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
+                       "process, so its thread gets the GIL back soon after each GPU wait (vllm_thread.py)")
         try:
-            engine = await thread.call(_build_engine, setup.kwargs, in_process)
+            engine = await thread.call(_build_engine, setup.kwargs)
         except Exception as exc:
             thread.stop()
             raise EngineError(f"vLLM could not start for {model_path}: {type(exc).__name__}: {exc}") from exc
@@ -145,8 +139,7 @@ class VLLMEngine:
                            "tokens a step (vLLM's defaults for an in-process engine on this device)")
             _log.info("vLLM: %s", reasons[-1])
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_path))
-        return cls(engine, thread, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake,
-                   setup.core)
+        return cls(engine, thread, tokenizer, setup.kwargs["max_model_len"], on_cuda, reasons, setup.train_awake)
 
     @property
     def dead_reason(self) -> str | None:
@@ -272,10 +265,10 @@ class VLLMEngine:
                 await self._call(release, self._engine, lora_id)
 
     async def _hand_over(self, lora_id: int, weights: AdapterWeights, path: Path) -> str:
-        """Give vLLM `weights` under `lora_id` (before add_lora) and return the source's name: held on its
-        worker when the core runs here; as files in /dev/shm when it runs in a child (vllm_lora.py says
-        why), or in the temporary directory where /dev/shm is missing, small, or vLLM cannot take memory."""
-        if self.core == "thread" and self._from_memory is not False:
+        """Give vLLM `weights` under `lora_id` (before add_lora), held on its worker; where vLLM cannot take
+        them from memory (found on the first try, logged), as files in a temporary directory. Returns the
+        source's name."""
+        if self._from_memory is not False:
             try:
                 await self._call(hold, self._engine, lora_id, weights, _vllm_version())
             except EngineError as error:
@@ -287,8 +280,7 @@ class VLLMEngine:
                 self._from_memory = True
                 self._held.add(lora_id)
                 return f"memory (for {path})"
-        root = _SHM if self.core == "process" and _room_for(_SHM, weights) else None
-        self._spilled[lora_id] = await asyncio.to_thread(spill, weights, root)
+        self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
         return f"{self._spilled[lora_id]} (for {path})"
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -362,11 +354,11 @@ class VLLMEngine:
         return EngineDeadError(f"{self.dead_reason}; re-register the model to start a new engine")
 
 
-def _build_engine(kwargs: dict[str, Any], in_process: bool) -> Any:
-    """Build the LLMEngine (on the vLLM thread), its core in this process or a child. vLLM reads the env
-    var while building (it also turns multiprocessing on when set), so it is set to match, then restored."""
+def _build_engine(kwargs: dict[str, Any]) -> Any:
+    """Build the in-process LLMEngine (on the vLLM thread), with art_nb's worker extension (vllm_lora).
+    The env var is read only while building."""
     previous = os.environ.get(_MP_ENV)
-    os.environ[_MP_ENV] = "0" if in_process else "1"
+    os.environ[_MP_ENV] = "0"
     kwargs = {**kwargs, "worker_extension_cls": EXTENSION}
     try:
         from vllm.engine.arg_utils import EngineArgs
@@ -382,7 +374,7 @@ def _build_engine(kwargs: dict[str, Any], in_process: bool) -> Any:
         # The from_engine_args default (ENGINE_CONTEXT) falls back to 128 sequences and 2048 tokens a
         # step, which halves throughput at 256 concurrent requests (bench/gpu_throughput.py measures it).
         return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in known}),
-                                          usage_context=UsageContext.LLM_CLASS, enable_multiprocessing=not in_process)
+                                          usage_context=UsageContext.LLM_CLASS)
     finally:
         if previous is None:
             os.environ.pop(_MP_ENV, None)
@@ -391,7 +383,7 @@ def _build_engine(kwargs: dict[str, Any], in_process: bool) -> Any:
 
 
 def _shut_down(engine: Any, last: bool) -> None:
-    """Stop vLLM's core, here or in its child process (on the vLLM thread); the last engine of the process also drops vLLM's
+    """Stop vLLM's in-process core (on the vLLM thread); the last engine of the process also drops vLLM's
     process-wide distributed state, so a later engine can start. Never raises: closing a dead engine must work."""
     # third-party: not every vLLM release's in-process core has shutdown()
     shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
@@ -402,15 +394,6 @@ def _shut_down(engine: Any, last: bool) -> None:
             step()
         except Exception as exc:  # noqa: BLE001 - closing must work on an engine that already died
             _log.warning("vLLM %s: %s: %s", what, type(exc).__name__, exc)
-
-
-def _room_for(root: Path, weights: AdapterWeights) -> bool:
-    """Whether `root` exists and has room for twice `weights` (a container's /dev/shm may be 64 MB)."""
-    try:
-        free = shutil.disk_usage(root).free
-    except OSError:
-        return False
-    return free > 2 * sum(t.numel() * t.element_size() for t in weights.tensors.values()) + 2**20
 
 
 def _vllm_version() -> str:

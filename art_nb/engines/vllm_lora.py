@@ -1,19 +1,14 @@
 """LoRA adapters handed to vLLM in memory: a train step's update served before its files exist.
 
 vLLM (0.25 on the GPU, 0.32's CPU build) loads an adapter only from a path: the worker's
-`WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. So
-`WorkerExtension`, which vLLM mixes into its worker class (`EngineArgs.worker_extension_cls`), holds
+`WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. Its
+engine core runs in this process, so `WorkerExtension`, which vLLM mixes into its worker class (`EngineArgs.worker_extension_cls`), holds
 an adapter's tensors on the worker (`hold`: `collective_rpc` by method name) and puts, once, a
 loader on that manager which builds the `LoRAModel` from the tensors for the ids held, with the same
 steps as vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's max positions,
 `validate_legal`, the module check, `LoRAModel.from_lora_tensors`, 0.32's validators), and calls
 vLLM's own loader for every other id. A held adapter stays held until `release`: vLLM's LRU
 cache may evict it and load it again by id.
-
-With the engine core in a child process the engine does not use this: there the tensors would
-cross vLLM's message socket (vLLM decodes a utility call's arguments without their types, so they
-would have to go as bytes), which on the CPU build took 54-110 ms for an 18.6 MB adapter against
-17-24 ms to write it to /dev/shm and 34-50 ms for vLLM to load it from there; it spills (`spill`).
 
 Where that structure is missing (an unknown vLLM), `hold` raises an EngineError naming the
 version; the engine then writes the tensors to a temporary directory and loads by path (`spill`).

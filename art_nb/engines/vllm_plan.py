@@ -30,7 +30,7 @@ from ..memory import (
     read_model_shape,
 )
 from .base import EngineError
-from .startup import CHILD_CONTEXT_BYTES, CoreMode, core_mode, startup_kwargs, startup_mode
+from .startup import startup_kwargs, startup_mode
 
 __all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory"]
 
@@ -45,14 +45,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class VLLMSetup:
-    """`EngineArgs` keywords, the reason for each automatic choice, whether training fits beside
-    an awake engine (the memory plan's answer; always False off CUDA, where sleeping frees nothing),
-    and where the engine core runs (startup.core_mode)."""
+    """`EngineArgs` keywords, the reason for each automatic choice, and whether training fits beside
+    an awake engine (the memory plan's answer; always False off CUDA, where sleeping frees nothing)."""
 
     kwargs: dict[str, Any]
     reasons: list[str]
     train_awake: bool = False
-    core: CoreMode = "thread"
 
 
 def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_eager: bool | None = None,
@@ -94,12 +92,10 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
     shape = read_model_shape(model_path)
     if not on_cuda:
         kv, why = _cpu_kv_cache(shape, _DTYPE_BYTES[dtype], config.max_batch_size * max_len, max_len)
-        core, core_why = core_mode(config, on_cuda=False)
-        return VLLMSetup({**kwargs, "kv_cache_memory_bytes": kv}, [*reasons, why, f"engine core: {core}: {core_why}"],
-                         core=core)
-    gpu_kwargs, gpu_reasons, train_awake, core = _gpu_share(model_path, config, shape, dtype, max_len,
-                                                            mode != "eager", memory)
-    return VLLMSetup({**kwargs, **gpu_kwargs}, reasons + gpu_reasons, train_awake, core)
+        return VLLMSetup({**kwargs, "kv_cache_memory_bytes": kv}, [*reasons, why])
+    gpu_kwargs, gpu_reasons, train_awake = _gpu_share(model_path, config, shape, dtype, max_len, mode != "eager",
+                                                      memory)
+    return VLLMSetup({**kwargs, **gpu_kwargs}, reasons + gpu_reasons, train_awake)
 
 
 def capped_memory(free: int, total: int, fraction: float, reserved: int) -> tuple[int, int]:
@@ -142,19 +138,12 @@ def _cpu_kv_cache(shape: ModelShape | None, dtype_bytes: int, batch_tokens: int,
 
 
 def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, dtype: str, max_len: int,
-               cuda_graphs: bool, memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool, CoreMode]:
-    """Sleep mode, step size and vLLM's memory share on a GPU, whether training fits beside it awake,
-    and where the engine core runs (a child process's own CUDA context is left out of the plan)."""
+               cuda_graphs: bool, memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool]:
+    """Sleep mode, step size and vLLM's memory share on a GPU, and whether training fits beside it awake."""
     reasons: list[str] = []
     free, total, device_total, cap_reason = _plannable_memory(memory)
     if cap_reason:
         reasons.append(cap_reason)
-    core, why = core_mode(config, True, device_total, capped=cap_reason is not None)
-    reasons.append(f"engine core: {core}: {why}")
-    if core == "process":
-        free = max(0, free - CHILD_CONTEXT_BYTES)
-        reasons.append(f"memory: {CHILD_CONTEXT_BYTES / 2**30:.1f} GiB left out of the plan for the child process's "
-                       "own CUDA context")
     # vLLM's gpu_memory_utilization is a share of the whole device; the plan works within `total`.
     to_plan = total / device_total
     override = config.gpu_memory_utilization
@@ -180,7 +169,7 @@ def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, 
         "max_num_batched_tokens": max(VLLM_STEP_TOKENS, max_len),
         "gpu_memory_utilization": override if override is not None else round(plan.gpu_memory_utilization * to_plan, 4),
     }
-    return kwargs, reasons, train_awake, core
+    return kwargs, reasons, train_awake
 
 
 MemorySnapshot = tuple[int, int, int, str | None]

@@ -20,10 +20,8 @@ with CUDA graphs is a few ms of GPU work between short Python stretches, and eve
 waits for the GPU releases the GIL; taking it back, this thread waits until the holder is asked to
 drop it, which CPython does after `sys.getswitchinterval()` (5 ms by default). Under a burst of
 requests that wait is longer than the step itself (on the H200, 3B, batch 256: the endpoint ran at
-0.53x plain vLLM). So while a vLLM thread that runs the engine core lives, the interval is at most
-`SWITCH_INTERVAL_S` (ART_NB_SWITCH_INTERVAL_MS overrides; 0 leaves Python's), restored when the last
-one ends. With the core in a child process (`startup.core_mode`) `step()` here only waits on its
-socket and turns outputs into Python objects, and the interval is left alone.
+0.53x plain vLLM). So while a vLLM thread lives, the interval is at most `SWITCH_INTERVAL_S`
+(ART_NB_SWITCH_INTERVAL_MS overrides; 0 leaves Python's), restored when the last one ends.
 """
 
 from __future__ import annotations
@@ -136,7 +134,7 @@ class VLLMThread:
     the engine's view of its own death before the first request.
     """
 
-    def __init__(self, short_switch_interval: bool = True) -> None:
+    def __init__(self) -> None:
         self._engine_step: Callable[[], list[Any]] | None = None
         self._dead: Callable[[], BaseException | None] = lambda: None
         self._died: Callable[[BaseException], None] = lambda exc: None
@@ -147,9 +145,7 @@ class VLLMThread:
         self._stopped = False
         self._step_failed = False
         self._thread = threading.Thread(target=self._run, name="art_nb-vllm", daemon=True)
-        self._switch_claimed = short_switch_interval
-        if short_switch_interval:
-            _claim_switch_interval()
+        _claim_switch_interval()
         self._thread.start()
 
     def attach(self, step: Callable[[], list[Any]], dead: Callable[[], BaseException | None],
@@ -213,8 +209,7 @@ class VLLMThread:
                 self._step(outcomes)
                 outcomes.send()
         finally:
-            if self._switch_claimed:
-                _release_switch_interval()
+            _release_switch_interval()
             with self._lock:
                 self._stopped = True
             error = self._dead() or RuntimeError("the vLLM thread has stopped")

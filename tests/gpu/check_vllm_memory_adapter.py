@@ -8,9 +8,7 @@ folder tests/gpu/conftest.py converts from the staged GGUF, or MODEL_DIR):
 - item 2 of issue 15: an r16 adapter on every linear module, loaded with `weights=` from a path that
   never exists, gives the same greedy tokens and logprobs as the same adapter from its directory;
   after vLLM's CPU cache evicted it, a request loads it again from memory; hand-over times
-  (memory vs write + load by path); `from_memory` False would mean vLLM 0.25 fell back (the log says why).
-  With the engine core in a child process (the default on an H200; ART_NB_VLLM_CORE=thread for the
-  other) the hand-over goes through files in /dev/shm instead (engines/vllm_lora.py says why);
+  (memory vs write + load by path); `from_memory` False would mean vLLM 0.25 fell back (the log says why);
 - item 1: the gap between two `step()` calls while 8 requests decode (the vLLM thread loops step
   itself; the old asyncio driver left ~0.4 ms there).
 """
@@ -63,20 +61,17 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
         await engine.load_adapter("disk@1", r16)
         disk = await greedy("disk@1")
         await engine.load_adapter("mem@1", later, weights=weights_of(r16))
-        mem_id = engine._adapters["mem@1"].lora_int_id
-        served_from = str(engine._spilled[mem_id].parent) if mem_id in engine._spilled else "worker memory"
         memory = await greedy("mem@1")
         base = await greedy(None)
         gap = max(abs(a - b) for a, b in zip(memory.logprobs, disk.logprobs, strict=True))
-        result["memory"] = {"core": engine.core, "served_from": served_from,
-                            "from_memory": engine._from_memory, "tokens_equal": memory.token_ids == disk.token_ids,
+        result["memory"] = {"from_memory": engine._from_memory, "tokens_equal": memory.token_ids == disk.token_ids,
                             "max_abs_logprob_gap": gap, "differs_from_base": memory.token_ids != base.token_ids,
                             "path_exists": later.exists()}
         result["checks"]["memory_serves_as_disk"] = (memory.token_ids == disk.token_ids and gap < 1e-3
                                                      and not later.exists())
-        result["checks"]["handed_over_without_disk"] = (engine._from_memory is True if engine.core == "thread"
-                                                        else served_from == "/dev/shm")
+        result["checks"]["vllm_took_tensors"] = engine._from_memory is True
 
+        mem_id = engine._adapters["mem@1"].lora_int_id
         for i in range(4):  # max_cpu_loras is 4: these push mem@1 out of vLLM's CPU cache
             await engine.load_adapter(f"fill@{i}", later, weights=weights_of(r16))
         evicted = mem_id not in engine._engine.list_loras()

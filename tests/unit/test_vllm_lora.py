@@ -118,16 +118,3 @@ def test_spill_writes_the_files_peft_and_vllm_read(tmp_path) -> None:
     assert json.loads((directory / "adapter_config.json").read_text()) == {"r": 4, "lora_alpha": 8}
 
 
-
-def test_shared_memory_is_used_only_where_it_has_room(tmp_path, monkeypatch) -> None:
-    """With the core in a child an adapter goes through /dev/shm, unless that is missing or too small
-    (Docker's default /dev/shm is 64 MB; a 3B rank-16 adapter is ~60-120 MB)."""
-    import shutil
-
-    from art_nb.engines.vllm import _room_for
-
-    weights = AdapterWeights(tensors={"w": torch.zeros(1024, 1024)}, config={})  # 4 MiB
-    assert _room_for(tmp_path, weights)
-    assert not _room_for(tmp_path / "missing", weights)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=64 << 20, used=60 << 20, free=4 << 20))
-    assert not _room_for(tmp_path, weights)

