@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -69,6 +70,11 @@ __all__ = ["EngineStats", "HFEngine"]
 
 logger = logging.getLogger("art_nb")
 T = TypeVar("T")
+
+
+def _config_key(weights: AdapterWeights) -> str:
+    """Adapters whose configs give the same key fit the same peft slot."""
+    return json.dumps(weights.config, sort_keys=True, default=str)
 
 
 class HFEngine:
@@ -163,8 +169,13 @@ class HFEngine:
         path = Path(path)
         if weights is None and not (path / "adapter_config.json").is_file():
             raise EngineError(f"{path} is not a PEFT adapter directory (no adapter_config.json)")
-        internal = self._adapters.new_internal()
-        await self._in_worker(self._load_peft, internal, path, weights)
+        internal, refill = self._adapters.new_internal(None if weights is None else _config_key(weights))
+        try:
+            await self._in_worker(self._load_peft, internal, path, weights, refill)
+        except BaseException:
+            self._adapters.abandon(internal)  # never bound: the scheduler deletes it, whatever state it is in
+            self._wakeup.set()
+            raise
         self._adapters.bind(name, internal)
         self._wakeup.set()  # the scheduler deletes the adapter it replaced once unused
         logger.info("HF engine: adapter %s loaded", name)
@@ -416,7 +427,12 @@ class HFEngine:
         self.stats.tokens += len(rows)
         return tokens
 
-    def _load_peft(self, internal: str, path: Path, weights: AdapterWeights | None) -> None:
+    def _load_peft(self, internal: str, path: Path, weights: AdapterWeights | None, refill: bool) -> None:
+        if refill:  # a retired slot of the same config (AdapterTable): its cached prefixes hold the old weights' KV
+            assert weights is not None
+            self.prefix_cache.drop_adapters([internal])
+            hf_model.refill(self._model, internal, weights)
+            return
         self._model = hf_model.with_adapter(self._model, internal, path if weights is None else weights, self._device)
 
     def _delete_adapters(self, internals: list[str]) -> None:

@@ -134,6 +134,10 @@ class AdapterTable:
     A job keeps the weights its name pointed to when it was submitted: loading new weights under a
     name, or unloading it, only retires the old internal adapter, which is deleted once no job
     uses it any more.
+
+    One retired slot that was filled from memory is kept instead, while some name is still bound:
+    a train step's next hand-over has the same config, and copying into an existing slot is ~8x
+    faster than peft making a new one (CPU, SmolLM2, r8: ~80 ms vs ~640 ms + ~50 ms to delete).
     """
 
     def __init__(self) -> None:
@@ -141,6 +145,8 @@ class AdapterTable:
         self._users: Counter[str] = Counter()
         self.retired: set[str] = set()  # unloaded or replaced; deleted once unused
         self._ids = itertools.count()
+        self._configs: dict[str, str] = {}  # internal -> its config's key, for slots filled from memory
+        self.spare: str | None = None  # a retired, unused slot kept to be filled again
 
     def lookup(self, name: str | None) -> str | None:
         """The internal adapter serving `name` (None: the base weights)."""
@@ -150,14 +156,27 @@ class AdapterTable:
             raise EngineError(f"no adapter named {name!r}; loaded: {sorted(self._internal) or 'none'}")
         return self._internal[name]
 
-    def new_internal(self) -> str:
-        return f"adapter_{next(self._ids)}"
+    def new_internal(self, config_key: str | None = None) -> tuple[str, bool]:
+        """A slot for an adapter whose config has `config_key` (None: read from files, config unknown):
+        the spare when its config matches (True: fill it in place), else a new name (False)."""
+        if config_key is not None and self.spare is not None and self._configs.get(self.spare) == config_key:
+            internal, self.spare = self.spare, None
+            return internal, True
+        internal = f"adapter_{next(self._ids)}"
+        if config_key is not None:
+            self._configs[internal] = config_key
+        return internal, False
 
     def bind(self, name: str, internal: str) -> None:
         """Serve `name` from `internal` from now on; the adapter it replaces is retired."""
         previous, self._internal[name] = self._internal.get(name), internal
         if previous is not None:
             self.retired.add(previous)
+
+    def abandon(self, internal: str) -> None:
+        """A slot whose filling failed: deleted once unused, never kept as the spare."""
+        self._configs.pop(internal, None)
+        self.retired.add(internal)
 
     def unbind(self, name: str) -> None:
         self.lookup(name)  # raises for a name that was never loaded
@@ -175,11 +194,25 @@ class AdapterTable:
         return self._users[internal] <= 0 and internal in self.retired
 
     def take_unused(self) -> list[str]:
-        """Retired adapters no submitted job uses any more, forgotten here: the caller deletes them."""
-        unused = [a for a in self.retired if self._users[a] <= 0]
+        """Retired adapters no submitted job uses any more, forgotten here: the caller deletes them.
+        The newest one filled from memory becomes the spare instead while a name is bound (the one it
+        replaces goes); with none bound the spare goes too (the model can then drop its LoRA layers)."""
+        unused = sorted(a for a in self.retired if self._users[a] <= 0)
         for internal in unused:
             self.retired.discard(internal)
             self._users.pop(internal, None)
+        order = list(self._configs)  # made in this order
+        keep = max((a for a in unused if a in self._configs), key=order.index, default=None)
+        if self._internal and keep is not None:
+            unused.remove(keep)
+            if self.spare is not None:
+                unused.append(self.spare)
+            self.spare = keep
+        elif not self._internal and self.spare is not None:
+            unused.append(self.spare)
+            self.spare = None
+        for internal in unused:
+            self._configs.pop(internal, None)
         return unused
 
 

@@ -109,6 +109,19 @@ def _inject(model: Any, name: str, weights: AdapterWeights) -> Any:
     return model
 
 
+def refill(model: Any, name: str, weights: AdapterWeights) -> None:
+    """Copy `weights` into the existing adapter slot `name`, made earlier for the same config: no peft
+    module surgery, so ~8x faster than `with_adapter` (hf_batch.AdapterTable says when)."""
+    from peft import set_peft_model_state_dict
+
+    with torch.no_grad():
+        result = set_peft_model_state_dict(model, weights.tensors, adapter_name=name)
+    missing = [key for key in result.missing_keys if f".{name}." in key]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"adapter {name}: tensors do not fit its slot (unexpected {result.unexpected_keys[:3]}, "
+                         f"missing {missing[:3]})")
+
+
 def without_adapters(model: Any, names: list[str]) -> Any:
     """`model` with the adapters `names` deleted; the plain model once none is left."""
     for name in names:

@@ -262,3 +262,45 @@ async def test_dtype_and_threads_come_from_the_plan(model_path: Path) -> None:
     finally:
         await engine.close()
         torch.set_num_threads(threads)  # create set this thread's count too
+
+
+def in_memory(directory: Path):
+    """The adapter in `directory` as a train step hands it over: tensors and config, no path."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from art_nb.engines.base import AdapterWeights
+
+    return AdapterWeights(tensors=load_file(str(directory / "adapter_model.safetensors")),
+                          config=json.loads((directory / "adapter_config.json").read_text()))
+
+
+async def test_a_step_hand_over_refills_the_retired_slot_and_serves_exactly_the_new_weights(
+        engine: HFEngine, model_path: Path, tmp_path: Path) -> None:
+    """Step N+1's adapter goes into step N-1's retired slot (same config) instead of a new peft slot;
+    it must serve what a fresh slot serves, with no KV cached under the old weights reused."""
+    for seed in (11, 12, 13):
+        random_lora(model_path, tmp_path / f"s{seed}", seed=seed)
+    prompt = chat(engine, "Tell me about rivers.")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    await engine.load_adapter("ref@13", tmp_path / "s13")  # from files: a fresh slot, never refilled
+    [expected] = await engine.generate(GenerationRequest(prompt, params, adapter="ref@13"))
+    await engine.unload_adapter("ref@13")
+
+    await engine.load_adapter("m", tmp_path / "unused-1", weights=in_memory(tmp_path / "s11"))
+    first = engine._adapters.lookup("m")
+    [old] = await engine.generate(GenerationRequest(prompt, params, adapter="m"))  # caches the prompt's KV under it
+    await engine.load_adapter("m", tmp_path / "unused-2", weights=in_memory(tmp_path / "s12"))
+    await engine.generate(GenerationRequest(prompt, params))  # a scheduler pass: the retired slot becomes the spare
+    assert engine._adapters.spare == first
+    await engine.load_adapter("m", tmp_path / "unused-3", weights=in_memory(tmp_path / "s13"))
+    assert engine._adapters.lookup("m") == first and engine._adapters.spare is None  # refilled, not new
+    [served] = await engine.generate(GenerationRequest(prompt, params, adapter="m"))
+    assert served.token_ids == expected.token_ids != old.token_ids
+    assert max(abs(a - b) for a, b in zip(served.logprobs, expected.logprobs, strict=True)) < 1e-4
+
+    await engine.unload_adapter("m")
+    await engine.generate(GenerationRequest(prompt, params))  # the scheduler deletes what is left
+    assert engine._adapters.spare is None and not engine._adapters.retired
+    assert not hasattr(engine._model, "peft_config")  # no name bound: no spare kept, LoRA layers removed
