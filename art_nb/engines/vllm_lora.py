@@ -2,12 +2,13 @@
 
 vLLM (0.25 on the GPU, 0.32's CPU build) loads an adapter only from a path: the worker's
 `WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. Its
-engine core runs in this process, so `WorkerExtension`, which vLLM mixes into its worker class (`EngineArgs.worker_extension_cls`), holds
-an adapter's tensors on the worker (`hold`: `collective_rpc` by method name) and puts, once, a
-loader on that manager which builds the `LoRAModel` from the tensors for the ids held, with the same
-steps as vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's max positions,
-`validate_legal`, the module check, `LoRAModel.from_lora_tensors`, 0.32's validators), and calls
-vLLM's own loader for every other id. A held adapter stays held until `release`: vLLM's LRU
+engine core runs in this process, so `WorkerExtension`, which vLLM mixes into its worker class
+(`EngineArgs.worker_extension_cls`), holds an adapter's tensors on the worker (`hold`:
+`collective_rpc` by method name, the tensors passed as they are) and puts, once, a loader on that
+manager which builds the `LoRAModel` from the tensors for the ids held, with the same steps as
+vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's max positions, `validate_legal`,
+the module check, `LoRAModel.from_lora_tensors`, 0.32's validators), and calls vLLM's own loader
+for every other id. A held adapter stays held until `release`: vLLM's LRU
 cache may evict it and load it again by id.
 
 Where that structure is missing (an unknown vLLM), `hold` raises an EngineError naming the
@@ -36,7 +37,7 @@ def hold(engine: Any, lora_id: int, weights: AdapterWeights, version: str) -> No
     """
     try:
         engine.collective_rpc("art_nb_hold_adapter", args=(lora_id, weights.config, weights.tensors))
-    except Exception as exc:  # noqa: BLE001 - in a child process the worker's error comes back re-raised as vLLM's
+    except Exception as exc:  # noqa: BLE001 - whatever vLLM raises here (no such method, no lora_manager): spill instead
         raise EngineError(f"vLLM {version} cannot take an adapter from memory here ({type(exc).__name__}: {exc}); "
                           "art_nb loads it from a temporary directory instead") from exc
 
