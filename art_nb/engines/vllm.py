@@ -53,7 +53,7 @@ from .base import (
     Sample,
     SamplingParams,
 )
-from .vllm_lora import EXTENSION, hold, release, spill
+from .vllm_lora import install, spill
 from .vllm_plan import VLLMSetup, capped_memory, engine_args
 from .vllm_thread import VLLMThread
 
@@ -88,7 +88,7 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
         self._adapters: dict[str, Any] = {}  # name -> LoRARequest
-        self._held: set[int] = set()  # LoRA ids whose weights vLLM's worker holds (vllm_lora)
+        self._held: dict[int, AdapterWeights] = {}  # LoRA id -> weights vLLM builds it from (vllm_lora)
         self._spilled: dict[int, Path] = {}  # LoRA id -> temporary directory, where memory cannot be used
         self._from_memory: bool | None = None  # whether vLLM takes adapters from memory; None: not tried yet
         self._asleep = False
@@ -223,18 +223,21 @@ class VLLMEngine:
         if weights is None:
             if not (Path(path) / "adapter_config.json").is_file():
                 raise EngineError(f"{path} holds no PEFT adapter (adapter_config.json is missing)")
+        elif await self._takes_memory():
+            self._held[lora_id] = weights  # before add_lora: the worker's loader looks it up by id
+            source = f"memory (for {path})"
         else:
-            source = await self._hand_over(lora_id, weights, path)
-        # From memory the path is never read (the worker's loader finds the id); the name carries the id (docstring)
+            self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
+        # From memory the path is never read (the loader finds the id in `_held`); the name carries the id (docstring)
         lora = LoRARequest(lora_name=f"{name}#{lora_id}", lora_int_id=lora_id,
                            lora_path=str(self._spilled.get(lora_id, path)))
         try:
             added = await self._call(self._engine.add_lora, lora)
         except Exception as exc:
-            await self._forget(lora_id)
+            self._forget(lora_id)
             raise self._failed(exc, f"vLLM could not load the adapter from {source}") from exc
         if added is False:
-            await self._forget(lora_id)
+            self._forget(lora_id)
             raise EngineError(f"vLLM refused the adapter from {source}")
         previous = self._adapters.get(name)
         self._adapters[name] = lora
@@ -252,36 +255,24 @@ class VLLMEngine:
             if self.dead_reason is None:
                 await self._call(self._engine.remove_lora, lora_id)
         finally:
-            await self._forget(lora_id)
+            self._forget(lora_id)
 
-    async def _forget(self, lora_id: int) -> None:
-        """Drop what backs `lora_id` outside vLLM's cache: the worker's tensors or the temporary directory."""
+    def _forget(self, lora_id: int) -> None:
+        self._held.pop(lora_id, None)
         spilled = self._spilled.pop(lora_id, None)
         if spilled is not None:
             shutil.rmtree(spilled, ignore_errors=True)
-        if lora_id in self._held:
-            self._held.discard(lora_id)
-            if self.dead_reason is None:
-                await self._call(release, self._engine, lora_id)
 
-    async def _hand_over(self, lora_id: int, weights: AdapterWeights, path: Path) -> str:
-        """Give vLLM `weights` under `lora_id` (before add_lora), held on its worker; where vLLM cannot take
-        them from memory (found on the first try, logged), as files in a temporary directory. Returns the
-        source's name."""
-        if self._from_memory is not False:
+    async def _takes_memory(self) -> bool:
+        """Install the in-memory loader on vLLM's worker the first time; False (and why, logged) where it cannot be."""
+        if self._from_memory is None:
             try:
-                await self._call(hold, self._engine, lora_id, weights, _vllm_version())
+                await self._call(install, self._engine, self._held, _vllm_version())
+                self._from_memory = True
             except EngineError as error:
-                if self._from_memory:  # it worked before: this is a real failure, not a missing feature
-                    raise
                 _log.warning("%s", error)
                 self._from_memory = False
-            else:
-                self._from_memory = True
-                self._held.add(lora_id)
-                return f"memory (for {path})"
-        self._spilled[lora_id] = await asyncio.to_thread(spill, weights)
-        return f"{self._spilled[lora_id]} (for {path})"
+        return self._from_memory
 
     # ---- memory ----------------------------------------------------------------------------------
 
@@ -317,10 +308,9 @@ class VLLMEngine:
             self._engine = None
             self._thread.stop()
             await asyncio.to_thread(self._thread.join)
-            for spilled in self._spilled.values():
-                shutil.rmtree(spilled, ignore_errors=True)
-            self._spilled.clear()
-            self._held.clear()  # they lived on vLLM's worker, which is gone
+            for lora_id in list(self._spilled):
+                self._forget(lora_id)
+            self._held.clear()
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -355,11 +345,9 @@ class VLLMEngine:
 
 
 def _build_engine(kwargs: dict[str, Any]) -> Any:
-    """Build the in-process LLMEngine (on the vLLM thread), with art_nb's worker extension (vllm_lora).
-    The env var is read only while building."""
+    """Build the in-process LLMEngine (on the vLLM thread). The env var is read only while building."""
     previous = os.environ.get(_MP_ENV)
     os.environ[_MP_ENV] = "0"
-    kwargs = {**kwargs, "worker_extension_cls": EXTENSION}
     try:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine

@@ -2,21 +2,20 @@
 
 vLLM (0.25 on the GPU, 0.32's CPU build) loads an adapter only from a path: the worker's
 `WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. Its
-engine core runs in this process, so `WorkerExtension`, which vLLM mixes into its worker class
-(`EngineArgs.worker_extension_cls`), holds an adapter's tensors on the worker (`hold`:
-`collective_rpc` by method name, the tensors passed as they are) and puts, once, a loader on that
-manager which builds the `LoRAModel` from the tensors for the ids held, with the same steps as
-vLLM's `_load_adapter` (`PEFTHelper.from_dict` with the model's max positions, `validate_legal`,
-the module check, `LoRAModel.from_lora_tensors`, 0.32's validators), and calls vLLM's own loader
-for every other id. A held adapter stays held until `release`: vLLM's LRU
-cache may evict it and load it again by id.
+engine core runs in this process, so `install` puts, once, a loader on that manager (through
+`LLMEngine.collective_rpc`, which hands a callable the worker) that builds the `LoRAModel` from
+tensors for the LoRA ids held here, with the same steps as vLLM's `_load_adapter`
+(`PEFTHelper.from_dict` with the model's max positions, `validate_legal`, the module check,
+`LoRAModel.from_lora_tensors`, 0.32's validators), and calls vLLM's own loader for every other id.
+A held adapter stays held until it is unloaded: vLLM's LRU cache may evict it and load it again by id.
 
-Where that structure is missing (an unknown vLLM), `hold` raises an EngineError naming the
+Where that structure is missing (an unknown vLLM), `install` raises an EngineError naming the
 version; the engine then writes the tensors to a temporary directory and loads by path (`spill`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -24,42 +23,26 @@ from typing import Any
 
 from .base import AdapterWeights, EngineError
 
-__all__ = ["EXTENSION", "WorkerExtension", "hold", "release", "spill"]
+__all__ = ["install", "spill"]
 
-_MARK = "_art_nb_held"  # the attribute on vLLM's manager that holds the adapters (and says our loader is installed)
-EXTENSION = f"{__name__}.WorkerExtension"  # what EngineArgs.worker_extension_cls names
+_MARK = "_art_nb_held"  # the attribute on vLLM's manager that says our loader is installed
 
 
-def hold(engine: Any, lora_id: int, weights: AdapterWeights, version: str) -> None:
-    """Hold `weights` on `engine`'s worker under `lora_id`, for the `add_lora` that follows (on the vLLM thread).
+def install(engine: Any, held: dict[int, AdapterWeights], version: str) -> None:
+    """Install the in-memory loader on `engine`'s worker (on the vLLM thread; idempotent).
 
-    Raises EngineError when vLLM cannot take an adapter from memory (the caller spills it instead).
+    `held` is shared with the engine, which adds an id's weights before `add_lora` and drops them
+    after `remove_lora`: the engine core is in this process, so the worker sees the same dict.
     """
     try:
-        engine.collective_rpc("art_nb_hold_adapter", args=(lora_id, weights.config, weights.tensors))
-    except Exception as exc:  # noqa: BLE001 - whatever vLLM raises here (no such method, no lora_manager): spill instead
-        raise EngineError(f"vLLM {version} cannot take an adapter from memory here ({type(exc).__name__}: {exc}); "
+        engine.collective_rpc(functools.partial(_install_on_worker, held=held))
+    except _Unsupported as exc:
+        raise EngineError(f"vLLM {version} cannot take an adapter from memory here ({exc}); "
                           "art_nb loads it from a temporary directory instead") from exc
 
 
-def release(engine: Any, lora_id: int) -> None:
-    """Drop the tensors held under `lora_id` (after vLLM's `remove_lora`: until then it may re-load them)."""
-    engine.collective_rpc("art_nb_release_adapter", args=(lora_id,))
-
-
-class WorkerExtension:
-    """Methods vLLM adds to its worker (`EngineArgs.worker_extension_cls`), named so they clash with none of its own."""
-
-    def art_nb_hold_adapter(self, lora_id: int, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-        _held_on(self)[lora_id] = AdapterWeights(tensors=tensors, config=config)
-
-    def art_nb_release_adapter(self, lora_id: int) -> None:
-        _held_on(self).pop(lora_id, None)
-
-
 def spill(weights: AdapterWeights, root: Path | None = None) -> Path:
-    """`weights` as a PEFT directory (adapter_model.safetensors + adapter_config.json) in a new temporary one
-    under `root` (None: the system's temporary directory)."""
+    """`weights` as a PEFT directory (adapter_model.safetensors + adapter_config.json) in a new temporary one."""
     from safetensors.torch import save_file
 
     directory = Path(tempfile.mkdtemp(prefix="art_nb-lora-", dir=root))
@@ -73,15 +56,13 @@ class _Unsupported(RuntimeError):
     """vLLM's worker lacks the structure the in-memory loader relies on."""
 
 
-def _held_on(worker: Any) -> dict[int, AdapterWeights]:
-    """The worker's held adapters; the first call installs the loader that reads them on vLLM's manager."""
+def _install_on_worker(worker: Any, held: dict[int, AdapterWeights]) -> None:
     # third-party: vLLM's model runners (LoRAModelRunnerMixin, 0.25 and 0.32) keep the WorkerLoRAManager here
     manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
     if manager is None:
         raise _Unsupported("the worker's model_runner has no lora_manager")
-    held = getattr(manager, _MARK, None)  # third-party: our own mark on vLLM's manager
-    if held is not None:
-        return held
+    if getattr(manager, _MARK, None) is held:  # third-party: our own mark on vLLM's manager
+        return
     needed = ("_load_adapter", "_adapter_manager", "_lora_model_cls", "lora_config", "vocab_size",
               "max_position_embeddings")
     # third-party: WorkerLoRAManager's private members, as vLLM 0.25 and 0.32 have them
@@ -92,7 +73,6 @@ def _held_on(worker: Any) -> dict[int, AdapterWeights]:
     if missing:
         raise _Unsupported(f"{type(manager).__name__} has no {', '.join(missing)}")
     from_disk = manager._load_adapter
-    held = {}
 
     def load(lora_request: Any) -> Any:
         weights = held.get(lora_request.lora_int_id)
@@ -102,7 +82,6 @@ def _held_on(worker: Any) -> dict[int, AdapterWeights]:
 
     manager._load_adapter = load  # an instance attribute: add_adapter calls self._load_adapter
     setattr(manager, _MARK, held)
-    return held
 
 
 def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> Any:

@@ -14,24 +14,17 @@ import pytest
 import torch
 
 from art_nb.engines.base import AdapterWeights, EngineError
-from art_nb.engines.vllm_lora import EXTENSION, WorkerExtension, hold, release, spill
-
-
-class FakeWorker(WorkerExtension):
-    """vLLM's worker with our extension mixed in, as `worker_extension_cls` makes it."""
-
-    def __init__(self, model_runner: Any) -> None:
-        self.model_runner = model_runner
+from art_nb.engines.vllm_lora import install, spill
 
 
 class FakeLLMEngine:
-    """`collective_rpc("name", args=...)` calls that method on the (only) worker, as vLLM's engine does."""
+    """`collective_rpc(callable)` hands the callable the (only) worker, as vLLM's in-process engine does."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None) -> list:
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        return [method(self.worker, *args, **(kwargs or {}))]
 
 
 class FakeManager:
@@ -46,65 +39,40 @@ class FakeManager:
         return "from disk"
 
 
-def engine_with(manager: Any) -> FakeLLMEngine:
-    return FakeLLMEngine(FakeWorker(SimpleNamespace(lora_manager=manager)))
-
-
-def test_the_extension_is_named_by_an_importable_path() -> None:
-    """vLLM imports `worker_extension_cls` by its qualified name, in the engine core's process."""
-    import importlib
-
-    module, _, name = EXTENSION.rpartition(".")
-    assert getattr(importlib.import_module(module), name) is WorkerExtension
-    assert all(method.startswith("art_nb_") for method in vars(WorkerExtension) if not method.startswith("__"))
-
-
 def test_a_worker_without_the_structure_gives_an_error_naming_the_version() -> None:
-    weights = AdapterWeights(tensors={}, config={})
-    engine = FakeLLMEngine(FakeWorker(SimpleNamespace()))
+    engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace()))
     with pytest.raises(EngineError, match=r"vLLM 9\.9\.9 cannot take an adapter from memory .*no lora_manager"):
-        hold(engine, 1, weights, "9.9.9")
+        install(engine, {}, "9.9.9")
     manager = FakeManager()
     del manager._lora_model_cls.from_lora_tensors
+    engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
     with pytest.raises(EngineError, match="from_lora_tensors"):
-        hold(engine_with(manager), 1, weights, "9.9.9")
+        install(engine, {}, "9.9.9")
     assert manager._load_adapter.__name__ == "_load_adapter"  # nothing was replaced on a refusal
 
 
-def test_a_vllm_without_the_extension_is_an_error_too() -> None:
-    """A vLLM that ignored worker_extension_cls has no such method: the engine falls back to spilling."""
-    engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=FakeManager())))
-    with pytest.raises(EngineError, match="AttributeError"):
-        hold(engine, 1, AdapterWeights(tensors={}, config={}), "0.1.0")
-
-
-def test_ids_not_held_go_to_vllms_own_loader_once_however_often_held() -> None:
+def test_ids_not_held_go_to_vllms_own_loader_once_however_often_installed() -> None:
     manager = FakeManager()
-    engine = engine_with(manager)
-    hold(engine, 1, AdapterWeights(tensors={}, config={}), "0.25.0")
-    hold(engine, 2, AdapterWeights(tensors={}, config={}), "0.25.0")  # the loader is installed once, not wrapped twice
+    engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
+    held: dict[int, AdapterWeights] = {}
+    install(engine, held, "0.25.0")
+    install(engine, held, "0.25.0")  # idempotent: not wrapped twice
     assert manager._load_adapter(SimpleNamespace(lora_int_id=7)) == "from disk"
     assert manager.from_disk == [7]
 
 
-def test_held_ids_are_built_from_tensors_until_released(monkeypatch) -> None:
+def test_held_ids_are_built_from_tensors_not_read_from_disk(monkeypatch) -> None:
     from art_nb.engines import vllm_lora
 
     manager = FakeManager()
-    engine = engine_with(manager)
-    tensor = torch.ones(2, 2)
+    engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
+    weights = AdapterWeights(tensors={}, config={"r": 8})
     built: list[Any] = []
     monkeypatch.setattr(vllm_lora, "_from_tensors",
                         lambda manager, request, held: built.append((request.lora_int_id, held)) or "from memory")
-    hold(engine, 3, AdapterWeights(tensors={"w": tensor}, config={"r": 8}), "0.25.0")
+    install(engine, {3: weights}, "0.25.0")
     assert manager._load_adapter(SimpleNamespace(lora_int_id=3)) == "from memory"
-    assert manager._load_adapter(SimpleNamespace(lora_int_id=3)) == "from memory"  # re-load after an eviction
-    assert [lora_id for lora_id, _ in built] == [3, 3]
-    assert built[0][1].tensors["w"] is tensor and built[0][1].config == {"r": 8}
-    assert manager.from_disk == []
-    release(engine, 3)
-    assert manager._load_adapter(SimpleNamespace(lora_int_id=3)) == "from disk"  # released: vLLM's own loader
-    release(engine, 3)  # twice is harmless
+    assert built == [(3, weights)] and manager.from_disk == []
 
 
 def test_spill_writes_the_files_peft_and_vllm_read(tmp_path) -> None:
@@ -118,3 +86,11 @@ def test_spill_writes_the_files_peft_and_vllm_read(tmp_path) -> None:
     assert json.loads((directory / "adapter_config.json").read_text()) == {"r": 4, "lora_alpha": 8}
 
 
+def test_install_hands_the_shared_dict_to_the_worker() -> None:
+    """The engine adds an id's weights after installing: the worker must see that same dict, not a copy."""
+    manager = FakeManager()
+    engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
+    held: dict[int, AdapterWeights] = {}
+    install(engine, held, "0.32.0")
+    held[5] = AdapterWeights(tensors={}, config={})
+    assert manager._art_nb_held is held
