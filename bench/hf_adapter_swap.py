@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -40,8 +41,6 @@ def adapter(model_dir: Path, rank: int, seed: int) -> Any:
                            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=MODULES, init_lora_weights=False))
     with tempfile.TemporaryDirectory() as directory:  # the config exactly as save_pretrained writes it
         model.save_pretrained(directory)
-        import json
-
         config = json.loads((Path(directory) / "adapter_config.json").read_text())
     return AdapterWeights(tensors={k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()},
                           config=config)
