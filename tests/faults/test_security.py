@@ -90,6 +90,7 @@ async def test_the_endpoint_is_loopback_needs_its_key_and_the_key_never_shows(
                     response = await client.post(f"{endpoint.base_url}/chat/completions", json=body, headers=headers)
                     assert response.status_code == 401 and key not in response.text
             await model.train(await gather_groups(model))
+            await backend.wait_for_checkpoint(model)  # every file is on disk before the files are searched
             with pytest.raises(openai.NotFoundError) as caught:
                 await model.openai_client().chat.completions.create(model="nope", messages=body["messages"], max_tokens=2)
         out = capfd.readouterr()
