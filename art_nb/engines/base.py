@@ -21,6 +21,7 @@ __all__ = [
     "GenerationRequest",
     "Sample",
     "AdapterWeights",
+    "packed_copies",
 ]
 
 T = TypeVar("T")
@@ -77,12 +78,45 @@ class AdapterWeights:
 
     The same content `save_pretrained` writes (`tensors` under the keys of adapter_model.safetensors,
     `config` as adapter_config.json), so an engine that cannot take tensors may still read the files
-    once the checkpoint is on disk. The tensors are a private CPU copy: the trainer's own weights
-    change at the next step, and the engine may keep these as long as it serves them.
+    once the checkpoint is on disk. The tensors are a private copy on the trainer's device (on a GPU
+    nothing crosses to the host on the step's path): the trainer's own weights change at the next
+    step. The checkpoint writer puts host copies in their place once it has them (the dict is
+    updated in place, so the GPU copy is freed), so an engine copies what it keeps and looks
+    tensors up again whenever it re-reads them.
     """
 
-    tensors: dict[str, Any]  # name -> torch.Tensor on CPU
+    tensors: dict[str, Any]  # name -> torch.Tensor, on the trainer's device, later on the host
     config: dict[str, Any]
+
+    def on_host(self) -> dict[str, Any]:
+        """The tensors on the host (those already there as they are; the rest in one transfer per dtype)."""
+        if all(tensor.device.type == "cpu" for tensor in self.tensors.values()):
+            return dict(self.tensors)
+        return packed_copies(self.tensors, to_host=True, what="adapter weights")
+
+
+def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str) -> dict[str, Any]:
+    """Private copies of `tensors`: per device and dtype packed into one new buffer on their device and
+    checked for NaN/inf there (one sync; ValueError naming the first bad one), then, with `to_host`,
+    copied to the host in one transfer (a copy per tensor would wait on the device each time). The
+    copies are views of that buffer."""
+    import torch
+
+    by_kind: dict[tuple[Any, Any], list[str]] = {}
+    for name, tensor in tensors.items():
+        by_kind.setdefault((tensor.device, tensor.dtype), []).append(name)
+    copied: dict[str, Any] = {}
+    for names in by_kind.values():
+        flat = torch.cat([tensors[name].detach().reshape(-1) for name in names])  # a new buffer, also on CPU
+        # A sum is NaN/inf if any element is (5-10x cheaper than isfinite().all() on a CPU); a sum that
+        # merely overflowed is told apart by the exact check, which runs only then.
+        if flat.is_floating_point() and not bool(torch.isfinite(flat.sum())):
+            bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
+            if bad is not None:
+                raise ValueError(f"refusing to save non-finite {what} ({bad})")
+        pieces = (flat.cpu() if to_host else flat).split([tensors[name].numel() for name in names])
+        copied.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
+    return {name: copied[name] for name in tensors}
 
 
 @runtime_checkable

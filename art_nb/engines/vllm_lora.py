@@ -46,7 +46,7 @@ def spill(weights: AdapterWeights, root: Path | None = None) -> Path:
     from safetensors.torch import save_file
 
     directory = Path(tempfile.mkdtemp(prefix="art_nb-lora-", dir=root))
-    tensors = {name: tensor.detach().contiguous() for name, tensor in weights.tensors.items()}
+    tensors = {name: tensor.detach().contiguous() for name, tensor in weights.on_host().items()}
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     (directory / "adapter_config.json").write_text(json.dumps(weights.config))
     return directory
@@ -102,11 +102,11 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
     _check_modules(weights.tensors, _expected_modules(adapters), mapper, skip_prefixes, peft_helper,
                    manager._lora_model_cls)
-    # Copies: vLLM scales lora_b in place (LoRALayerWeights.optimize), and these tensors are also the
-    # checkpoint being written and what vLLM re-loads after an eviction. A file load gets fresh tensors too.
-    tensors = {name: _copy(tensor, manager.lora_config.lora_dtype) for name, tensor in weights.tensors.items()}
+    # third-party: the worker's device (WorkerLoRAManager.device, 0.25 and 0.32)
+    device = getattr(manager, "device", None) or "cpu"
+    tensors = _private_copies(dict(weights.tensors), manager.lora_config.lora_dtype, device)
     lora = manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device="cpu",
+        lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device=device,
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
         skip_prefixes=skip_prefixes)
     # third-party: the on-disk MoE layout flag (0.25, 0.32); our adapters come from peft's save layout
@@ -119,13 +119,30 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     return lora
 
 
-def _copy(tensor: Any, dtype: Any) -> Any:
-    """A private copy, in vLLM's LoRA dtype where it is resolved to one (one pass, not convert-then-copy)."""
+def _private_copies(tensors: dict[str, Any], dtype: Any, device: Any) -> dict[str, Any]:
+    """Copies in vLLM's LoRA dtype (where it is resolved to one) on the worker's `device`, built there
+    the way `from_lora_tensors` keeps them.
+
+    Copies, because vLLM scales lora_b in place (LoRALayerWeights.optimize) and these tensors are also
+    the checkpoint being written. On the worker's device, not vLLM's usual pinned host copies: the
+    trainer's tensors are already on that GPU, so nothing crosses to the host, and pinning ~400
+    tensors one by one is not paid on the step's path. One buffer per dtype, filled in one pass
+    (conversion included) where the tensors are, moved to `device` in one transfer if it is elsewhere.
+    """
     import torch
 
-    if isinstance(dtype, torch.dtype):
-        return tensor.to(dtype=dtype, copy=True)
-    return tensor.clone()
+    by_dtype: dict[Any, list[str]] = {}
+    for name, tensor in tensors.items():
+        by_dtype.setdefault(dtype if isinstance(dtype, torch.dtype) else tensor.dtype, []).append(name)
+    copies: dict[str, Any] = {}
+    for kind, names in by_dtype.items():
+        sizes = [tensors[name].numel() for name in names]
+        flat = torch.empty(sum(sizes), dtype=kind, device=tensors[names[0]].device)
+        for piece, name in zip(flat.split(sizes), names, strict=True):
+            piece.copy_(tensors[name].reshape(-1))
+        pieces = flat.to(device).split(sizes)
+        copies.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
+    return {name: copies[name] for name in tensors}
 
 
 def _expected_modules(adapters: Any) -> set[str]:

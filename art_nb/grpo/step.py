@@ -19,7 +19,10 @@ and the scaler lowers its scale for the next one.
 
 The caller can abandon a step (`should_stop`, polled before each microbatch and before the
 optimizer steps: an interrupted cell should not wait for the whole batch) and watch it
-(`on_progress`, one event per microbatch, from whatever thread runs the step).
+(`on_progress`, one event per microbatch, from whatever thread runs the step). `before_update` is
+called once the gradient is ready and before the weights or optimizer state change: the backend
+waits there for the previous checkpoint, whose optimizer state is still being read in the
+background, so that write overlaps this step's forward and backward passes instead of delaying them.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def grpo_step(
     on_progress: ProgressCallback | None = None,
     reference: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    before_update: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
     """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
 
@@ -84,6 +88,8 @@ def grpo_step(
     gradients dropped, weights and optimizer untouched, `stopped` = 1 in the metrics. After each
     microbatch's backward pass `on_progress` gets {"phase": "train", "done": k, "total": n,
     "tokens": trained tokens so far}; the last event of a completed step has done == total.
+    `before_update()` runs after the last backward pass, before anything that changes the weights,
+    the optimizer or the loss scaler; False abandons the step as `should_stop` does.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
@@ -122,6 +128,8 @@ def grpo_step(
 
     if not items:
         return totals.metrics(grad_norm=0.0, skipped=False, trajectories=0)
+    if before_update is not None and not before_update():
+        return _abandoned(optimizer, totals, len(items))
     grad_norm = math.nan
     if not totals.nonfinite:
         if scaler is not None:

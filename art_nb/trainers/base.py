@@ -28,12 +28,15 @@ class Trainer(Protocol):
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig,
                    should_stop: Callable[[], bool] | None = None,
-                   on_progress: ProgressCallback | None = None) -> dict[str, float]:
+                   on_progress: ProgressCallback | None = None,
+                   before_update: Callable[[], bool] | None = None) -> dict[str, float]:
         """One GRPO update. Returns metrics; `skipped_nonfinite` = 1 when the update was discarded.
 
         `should_stop()` is polled between microbatches (True abandons the step before the optimizer
         steps); `on_progress` gets {"phase": "train", "done": k, "total": n} after each microbatch,
-        from the trainer's thread.
+        from the trainer's thread. `before_update()` is called, in that thread, after the last
+        backward pass and before the weights, optimizer or loss scaler change (the backend waits
+        there for the previous checkpoint to be written); False abandons the step (`stopped` = 1).
         """
         ...
 
@@ -67,7 +70,8 @@ class Trainer(Protocol):
     def snapshot_state(self) -> Callable[[Path], None]:
         """Copy what may change before the checkpoint is written (RNG: rollouts draw from it) now; the
         returned function writes that with the optimizer state as it is when called. The optimizer
-        state changes only in the next update, so the caller must call it before the next update."""
+        state changes only when the next update steps, so the caller must have called it by then
+        (`train_step`'s `before_update`)."""
         ...
 
     def load(self, directory: Path) -> None:

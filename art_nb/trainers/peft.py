@@ -49,7 +49,7 @@ import torch
 
 from .._compat import quiet_checkpointing_alias
 from ..config import ModelConfig, TrainConfig, default_microbatch_tokens
-from ..engines.base import AdapterWeights
+from ..engines.base import AdapterWeights, packed_copies
 from ..grpo.advantages import prepare_batch
 from ..grpo.step import grpo_step
 from ..plan import Plan, plan_for
@@ -135,10 +135,11 @@ class PeftTrainer:
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig,
                    should_stop: Callable[[], bool] | None = None,
-                   on_progress: ProgressCallback | None = None) -> dict[str, float]:
+                   on_progress: ProgressCallback | None = None,
+                   before_update: Callable[[], bool] | None = None) -> dict[str, float]:
         """One GRPO update (see `Trainer.train_step`); on a GPU the step's memory is handed back after."""
         try:
-            return self._train_step(groups, config, should_stop, on_progress)
+            return self._train_step(groups, config, should_stop, on_progress, before_update)
         finally:
             if self.device != "cpu":
                 # Blocks PyTorch's caching allocator keeps after the step (activations, logits) look
@@ -148,7 +149,8 @@ class PeftTrainer:
 
     def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig,
                     should_stop: Callable[[], bool] | None,
-                    on_progress: ProgressCallback | None) -> dict[str, float]:
+                    on_progress: ProgressCallback | None,
+                    before_update: Callable[[], bool] | None) -> dict[str, float]:
         batch = prepare_batch(groups, self.tokenizer, config, self.config.max_seq_len,
                               vocab_size=self.model.get_input_embeddings().num_embeddings)
         metrics = batch.metrics()
@@ -161,7 +163,8 @@ class PeftTrainer:
         self.model.train()
         metrics.update(grpo_step(self.model, optimizer, batch, config, device=self.device,
                                  should_stop=should_stop, on_progress=on_progress,
-                                 reference=self.model.disable_adapter, scaler=self._scaler))
+                                 reference=self.model.disable_adapter, scaler=self._scaler,
+                                 before_update=before_update))
         if metrics.get("stopped"):
             return metrics
         bad = self._nonfinite_weight()
@@ -226,16 +229,19 @@ class PeftTrainer:
     def save_adapter(self, directory: Path) -> None:
         """Write the PEFT adapter (safetensors + config): what an engine loads to serve this step."""
         weights = self.adapter_weights()
-        write_adapter(directory, weights.tensors, weights.config)
+        write_adapter(directory, weights.on_host(), weights.config)
 
     def adapter_weights(self) -> AdapterWeights:
-        """The adapter as `save_pretrained` would write it, copied to CPU: what a step hands the engine.
+        """The adapter as `save_pretrained` would write it, copied on the trainer's device: what a step
+        hands the engine.
 
-        One device-to-host transfer per dtype (the tensors packed into one buffer first): a copy per
-        tensor would wait on the device ~200 times for a 3B model. Non-finite weights are refused
-        here, so nothing non-finite is ever served or saved.
+        One buffer per dtype, on the device: an engine on the same GPU takes it from there, and the
+        host copy the checkpoint needs is made in the background (`AdapterWeights.on_host`, one
+        transfer, not ~200). Non-finite weights are refused here, so nothing non-finite is ever
+        served or saved.
         """
-        return AdapterWeights(tensors=_host_copy(self._adapter_tensors()), config=self._adapter_config())
+        return AdapterWeights(tensors=packed_copies(self._adapter_tensors(), to_host=False, what="adapter weights"),
+                              config=self._adapter_config())
 
     def _adapter_tensors(self) -> dict[str, torch.Tensor]:
         """peft's state dict of the adapter, read straight from the parameters it names.
@@ -268,20 +274,18 @@ class PeftTrainer:
         state as it is when called.
 
         The RNG is copied now because the next rollouts may draw from it (the HF engine samples with
-        torch's generator); the optimizer state is not copied on the step's path at all: it changes
-        only in the next update, and the backend writes the checkpoint before that (settle).
+        torch's generator). The optimizer's state dict is taken now too, but it only refers to the
+        moment tensors (its hyperparameters are copied): they change in place at the next optimizer
+        step, and the backend has the checkpoint written before that (`before_update`, commit.py),
+        so no copy of them is made on the step's path.
         """
         state: dict[str, Any] = {
             "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "grad_scaler": self._scaler.state_dict() if self._scaler is not None else None}
+        optimizer = self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state
 
         def write(directory: Path) -> None:
-            optimizer = self._optimizer.state_dict() if self._optimizer is not None else self._pending_optimizer_state
-            if optimizer is not None:
-                optimizer = _to_cpu(optimizer)
-                if not _all_finite(optimizer.get("state", {})):
-                    raise ValueError("refusing to save a non-finite optimizer state")
-            torch.save({"optimizer": optimizer, **state}, directory / TRAINER_STATE)
+            torch.save({"optimizer": _optimizer_on_host(optimizer), **state}, directory / TRAINER_STATE)
 
         return write
 
@@ -355,26 +359,6 @@ def _sft_summary(rows: list[dict[str, float]], batches: list[Any]) -> dict[str, 
     }
 
 
-def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Private CPU copies of `tensors`: per dtype, packed into one buffer on their device, checked for
-    NaN/inf there (one sync), copied to the host once, and handed out as views of that copy."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, tensor in tensors.items():
-        by_dtype.setdefault(tensor.dtype, []).append(name)
-    copied: dict[str, torch.Tensor] = {}
-    for names in by_dtype.values():
-        flat = torch.cat([tensors[name].detach().reshape(-1) for name in names])  # a new buffer, also on CPU
-        # A sum is NaN/inf if any element is (5-10x cheaper than isfinite().all() on a CPU); a sum that
-        # merely overflowed is told apart by the exact check, which runs only then.
-        if flat.is_floating_point() and not bool(torch.isfinite(flat.sum())):
-            bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
-            if bad is not None:
-                raise ValueError(f"refusing to save non-finite adapter weights ({bad})")
-        pieces = flat.cpu().split([tensors[name].numel() for name in names])
-        copied.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
-    return {name: copied[name] for name in tensors}
-
-
 def _json_default(value: Any) -> Any:
     """Sets (target_modules) as lists, as peft writes them; anything else JSON cannot hold is a bug here."""
     if isinstance(value, (set, frozenset)):
@@ -382,22 +366,16 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"adapter config value {value!r} is not JSON")
 
 
-def _to_cpu(state: Any) -> Any:
-    """The (nested) state dict with its tensors on CPU (those already there as they are)."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {key: _to_cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_cpu(value) for value in state)
-    return state
-
-
-def _all_finite(state: Any) -> bool:
-    if isinstance(state, torch.Tensor):
-        return not state.is_floating_point() or bool(torch.isfinite(state).all())
-    if isinstance(state, dict):
-        return all(_all_finite(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return all(_all_finite(v) for v in state)
-    return True
+def _optimizer_on_host(optimizer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The optimizer state dict with its tensors on CPU, copied in one transfer per dtype
+    (`packed_copies`, which refuses NaN/inf); the ~3 tensors per LoRA parameter one by one would each
+    wait for the device, and they are read while the next step may already be queueing work on it."""
+    if optimizer is None:
+        return None
+    per_param = optimizer.get("state", {})
+    tensors = {f"{param}/{key}": value for param, values in per_param.items() for key, value in values.items()
+               if isinstance(value, torch.Tensor)}
+    copied = packed_copies(tensors, to_host=True, what="optimizer state")
+    state = {param: {key: copied.get(f"{param}/{key}", value) for key, value in values.items()}
+             for param, values in per_param.items()}
+    return {**optimizer, "state": state}

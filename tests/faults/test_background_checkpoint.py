@@ -1,13 +1,15 @@
 """The checkpoint a step writes in the background: off the step's path, and never silently lost.
 
 `train` returns once the new adapter is served from memory; the checkpoint (adapter files, optimizer
-state, fsyncs, rename) lands later, while the next rollouts run. These tests hold that background
+state, fsyncs, rename) lands later, while the next rollouts and the next step's forward and backward
+passes run (its optimizer waits for it). These tests hold that background
 write at the store and check what a user sees meanwhile and afterwards, when it works and when it
 fails, and that what it writes is the step it belongs to, not a later one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import threading
 from pathlib import Path
@@ -124,3 +126,50 @@ async def test_the_checkpoint_holds_its_own_step_even_when_written_after_the_nex
         for key, value in moments.items():
             assert torch.equal(saved["optimizer"]["state"][index][key], value), f"moment {index}/{key} is step 2's"
     assert torch.equal(saved["torch_rng"], rng_after_first)
+
+
+async def test_the_next_step_runs_forward_and_backward_while_the_checkpoint_is_written(fresh, monkeypatch) -> None:
+    """Only the optimizer's update must wait for the write: the gradient is computed meanwhile."""
+    backend, model, state = fresh
+    held = HeldCommit(monkeypatch)
+    assert (await model.train(await gather_groups(model, seed=6))).step == 1 and held.entered.wait(10)
+    after_first = optimizer_moments(state.trainer)
+    groups = await gather_groups(model, seed=7)
+    gradient_ready = threading.Event()
+
+    def on_progress(event: dict[str, Any]) -> None:
+        if event.get("phase") == "train" and event["done"] == event["total"]:
+            gradient_ready.set()
+
+    step = asyncio.ensure_future(model.train(groups, on_progress=on_progress))
+    assert await asyncio.to_thread(gradient_ready.wait, 60), "the backward passes waited for the checkpoint"
+    await asyncio.sleep(0.5)
+    assert not step.done() and state.store.latest_step() == 0
+    assert all(torch.equal(after_first[i][k], v) for i, m in optimizer_moments(state.trainer).items()
+               for k, v in m.items()), "the optimizer stepped before the checkpoint was written"
+    held.release.set()
+    result = await step
+    assert result.step == 2 and result.metrics["time/commit_wait"] >= 0.5
+    assert await backend.wait_for_checkpoint(model) == 2 and adapter_equals_checkpoint(state, 2)
+
+
+async def test_a_write_failing_while_the_next_step_trains_abandons_that_step_and_rolls_back(fresh, monkeypatch) -> None:
+    backend, model, state = fresh
+    held = HeldCommit(monkeypatch, fail=True)
+    assert (await model.train(await gather_groups(model, seed=8))).step == 1 and held.entered.wait(10)
+    groups = await gather_groups(model, seed=9)
+    train_step = state.trainer.train_step
+    updated: list[float] = []
+
+    def fail_while_training(*args: Any, **kwargs: Any) -> dict[str, float]:
+        held.release.set()  # the write fails while this step computes its gradient
+        metrics = train_step(*args, **kwargs)
+        updated.append(metrics.get("stopped", 0.0))
+        return metrics
+
+    monkeypatch.setattr(state.trainer, "train_step", fail_while_training)
+    with pytest.raises(CheckpointError, match="could not write checkpoint 0001.*No space left"):
+        await model.train(groups)
+    assert updated == [1.0], "the step updated the weights on top of a checkpoint that never landed"
+    assert state.step == 0 and state.store.steps() == [0] and adapter_equals_checkpoint(state, 0)
+    assert 1 not in state.loaded_adapters

@@ -7,8 +7,9 @@ OUT/vllm_memory_adapter.json and exits non-zero when a check fails. Checks, on t
 folder tests/gpu/conftest.py converts from the staged GGUF, or MODEL_DIR):
 - item 2 of issue 15: an r16 adapter on every linear module, loaded with `weights=` from a path that
   never exists, gives the same greedy tokens and logprobs as the same adapter from its directory;
-  after vLLM's CPU cache evicted it, a request loads it again from memory; hand-over times
-  (memory vs write + load by path); `from_memory` False would mean vLLM 0.25 fell back (the log says why);
+  after vLLM's CPU cache evicted it, a request loads it again from memory; the same adapter as float32
+  tensors on the GPU (how the trainer hands it over) serves the same; hand-over times (memory, from the
+  host and from the GPU, vs write + load by path); `from_memory` False would mean vLLM 0.25 fell back (the log says why);
 - item 1: the gap between two `step()` calls while 8 requests decode (the vLLM thread loops step
   itself; the old asyncio driver left ~0.4 ms there).
 """
@@ -31,6 +32,7 @@ PROMPT = [{"role": "user", "content": "Name three colours, separated by commas."
 
 
 async def main(out: Path, model_dir: Path) -> dict[str, Any]:
+    import torch
     from engine_check import handover_timings, lora_r16, weights_of
 
     from art_nb.config import LoraConfig, ModelConfig
@@ -70,6 +72,17 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
         result["checks"]["memory_serves_as_disk"] = (memory.token_ids == disk.token_ids and gap < 1e-3
                                                      and not later.exists())
         result["checks"]["vllm_took_tensors"] = engine._from_memory is True
+        # As the trainer hands it over on a GPU: float32 on the device (the host copy comes later)
+        on_gpu = weights_of(r16)
+        on_gpu = type(on_gpu)(tensors={k: v.to("cuda", torch.float32) for k, v in on_gpu.tensors.items()},
+                              config=on_gpu.config)
+        await engine.load_adapter("gpu@1", later, weights=on_gpu)
+        from_gpu = await greedy("gpu@1")
+        gpu_gap = max(abs(a - b) for a, b in zip(from_gpu.logprobs, disk.logprobs, strict=True))
+        result["from_gpu_tensors"] = {"tokens_equal": from_gpu.token_ids == disk.token_ids,
+                                      "max_abs_logprob_gap": gpu_gap}
+        result["checks"]["gpu_tensors_serve_as_disk"] = from_gpu.token_ids == disk.token_ids and gpu_gap < 1e-3
+        await engine.unload_adapter("gpu@1")
 
         mem_id = engine._adapters["mem@1"].lora_int_id
         for i in range(4):  # max_cpu_loras is 4: these push mem@1 out of vLLM's CPU cache
@@ -83,6 +96,8 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
 
         timings = await handover_timings(engine, weights_of(r16), later, work, repeats=5)
         result["handover"] = {**timings, **{f"median_{k}": statistics.median(v) for k, v in timings.items()}}
+        timings = await handover_timings(engine, on_gpu, later, work, repeats=5)
+        result["handover_from_gpu"] = {**timings, **{f"median_{k}": statistics.median(v) for k, v in timings.items()}}
 
         result["step_gaps"] = await step_gaps(engine, prompt)
     finally:

@@ -235,6 +235,10 @@ async def test_train_step_while_requests_arrive(stack):
     first = load_file(str(backend.checkpoint_dir(model, 0) / "adapter_model.safetensors"))
     trained = load_file(str(backend.checkpoint_dir(model, 1) / "adapter_model.safetensors"))
     assert any(not (trained[k] == first[k]).all() for k in first), "the step did not change the adapter"
+    engine = backend._state(model).engine
+    if engine._from_memory:  # handed over on the GPU; once the checkpoint is written the host copy replaces it
+        held = [t for weights in engine._held.values() for t in weights.tensors.values()]
+        assert held and all(t.device.type == "cpu" for t in held), "the adapter's GPU copy outlived its checkpoint"
     # The endpoint now serves step 1 as "gpu" and "gpu@1"; "gpu@0" is still the base.
     assert (await served(f"{NAME}@0"))[0] == base_ids
     trained_ids, trained_logprobs = await served(NAME)

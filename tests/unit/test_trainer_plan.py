@@ -19,6 +19,7 @@ from faults.tiny import build_tiny_model, tiny_model_config
 
 from art_nb import plan as plan_module
 from art_nb.plan import Plan, compute_dtype, plan_for
+from art_nb.store import TRAINER_STATE
 from art_nb.config import TrainConfig
 from art_nb.notebook.hardware import Hardware, pick_defaults
 from art_nb.trainers.peft import PeftTrainer
@@ -154,3 +155,46 @@ def test_the_float16_plan_trains_with_a_loss_scaler_that_survives_a_checkpoint(t
     resumed.load(tmp_path / "ckpt")
     assert resumed._scaler.get_scale() == 1024.0
     assert PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan("float32"))._scaler is None
+
+
+def test_before_update_runs_once_the_gradient_is_ready_and_false_abandons_the_step(tiny_dir):
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())
+    events: list[dict] = []
+    seen: list[int] = []
+
+    def refuse() -> bool:
+        seen.append(len(events))  # how many microbatches had run their backward pass by then
+        return False
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    metrics = trainer.train_step(groups(trainer.tokenizer), TrainConfig(microbatch_tokens=64, learning_rate=1e-2),
+                                 on_progress=events.append, before_update=refuse)
+    assert seen == [events[0]["total"]] and metrics["stopped"] == 1
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    assert not trainer._optimizer.state and all(p.grad is None for p in trainer.model.parameters())
+    metrics = trainer.train_step(groups(trainer.tokenizer), TrainConfig(learning_rate=1e-2), before_update=lambda: True)
+    assert "stopped" not in metrics and trainer._optimizer.state
+
+
+def test_the_checkpoint_holds_the_optimizer_state_of_when_it_is_written_and_refuses_nan(tiny_dir, tmp_path):
+    """`snapshot_state` takes the optimizer's state dict at the step's end but copies its moments only
+    when writing (in one transfer per dtype); a resumed trainer gets them back exactly."""
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())
+    trainer.train_step(groups(trainer.tokenizer), TrainConfig(learning_rate=1e-3))
+    write = trainer.snapshot_state()
+    expected = {i: {k: v.clone() for k, v in m.items()} for i, m in trainer._optimizer.state_dict()["state"].items()}
+    (tmp_path / "ckpt").mkdir()
+    write(tmp_path / "ckpt")
+    saved = torch.load(tmp_path / "ckpt" / TRAINER_STATE, weights_only=True)["optimizer"]
+    assert saved["state"].keys() == expected.keys() and all(
+        torch.equal(saved["state"][i][k], v) for i, m in expected.items() for k, v in m.items())
+    assert saved["param_groups"][0]["lr"] == 1e-3
+    trainer.save_adapter(tmp_path / "ckpt")
+    resumed = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())
+    resumed.load(tmp_path / "ckpt")
+    resumed.train_step(groups(resumed.tokenizer), TrainConfig(learning_rate=1e-3), should_stop=lambda: True)
+    assert all(torch.equal(resumed._optimizer.state_dict()["state"][i][k], v)
+               for i, m in expected.items() for k, v in m.items())
+    next(iter(trainer._optimizer.state.values()))["exp_avg"][0] = float("nan")
+    with pytest.raises(ValueError, match=r"refusing to save non-finite optimizer state \(0/exp_avg"):
+        trainer.snapshot_state()(tmp_path / "ckpt")

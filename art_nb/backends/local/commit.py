@@ -1,20 +1,25 @@
-"""A step's checkpoint, written in the background while the next rollouts run.
+"""A step's checkpoint, written in the background while the next rollouts and training run.
 
-A train step hands its adapter to the engine in memory (`Trainer.adapter_weights`) and copies the
-RNG state; everything else runs in a thread here: the adapter files written from those same CPU
-tensors, the optimizer state written as it is (`Trainer.snapshot_state`), meta, fsync, rename into
-place. The optimizer state is read there, not copied on the step's path, which is safe because
-nothing changes the trainer until the commit has landed: every path that does (the next `train`
-or `train_sft`, a rollback, `trainer.load`, `delete_checkpoints`, `close`, interpreter exit, an
-engine replacement) settles it first. Settling waits, and on failure puts trainer and served
-adapter back on the newest complete checkpoint so memory, disk and what is served agree, then
-raises `CheckpointError`. A crash before the rename leaves the previous checkpoint as the latest.
+A train step hands its adapter to the engine in memory (`Trainer.adapter_weights`, on the trainer's
+device) and copies the RNG state; everything else runs in a thread here: a host copy of those same
+tensors (then put in their place, freeing the device copy), the adapter files written from it, the
+optimizer state written as it is (`Trainer.snapshot_state`), meta, fsync, rename into place. The
+optimizer state is read there, not copied on the step's path, which is safe because nothing
+changes the trainer until the commit has landed: the next `train` runs its forward and backward
+passes meanwhile (they change neither weights nor optimizer state) and waits in the trainer's
+thread just before its optimizer steps (`CommitWaiter`, the trainer's `before_update`); every
+other path that changes the trainer (`train_sft`, a rollback, `trainer.load`, `delete_checkpoints`,
+`close`, interpreter exit, an engine replacement) settles it first. Settling waits, and on failure
+puts trainer and served adapter back on the newest complete checkpoint so memory, disk and what is
+served agree, then raises `CheckpointError`. A crash before the rename leaves the previous
+checkpoint as the latest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +32,7 @@ from .state import ModelState
 if TYPE_CHECKING:
     from ...server import InferenceGate
 
-__all__ = ["settle", "start_commit"]
+__all__ = ["CommitWaiter", "settle", "start_commit"]
 
 _log = logging.getLogger("art_nb")
 
@@ -37,8 +42,10 @@ def start_commit(state: ModelState, step: int, weights: AdapterWeights,
     """Write checkpoint `step` (adapter from `weights`, trainer state, meta, fsync, rename) in a thread."""
 
     def write(directory: Path) -> None:
-        write_adapter(directory, weights.tensors, weights.config)
+        on_host = weights.on_host()
+        write_adapter(directory, on_host, weights.config)
         write_state(directory)
+        weights.tensors.update(on_host)  # the engine has its own copy; the device one is freed (AdapterWeights)
 
     def commit() -> float:
         mark = time.perf_counter()
@@ -74,6 +81,31 @@ async def settle(state: ModelState, gate: InferenceGate) -> None:
         raise CheckpointError(f"could not write checkpoint {state.step + 1:04d} ({error!r})") from error
     if state.commit is task:
         state.commit, state.commit_seconds = None, seconds
+
+
+class CommitWaiter:
+    """The trainer's `before_update`: blocks its thread until the commit pending when the step began
+    has finished; False (the step is abandoned) when it failed, which `settle` then handles.
+
+    Made on the backend loop (the commit is an asyncio future there); called from the trainer's
+    thread, which must not be the loop's. `waited` is how long the trainer was held up.
+    """
+
+    def __init__(self, commit: asyncio.Future[float] | None) -> None:
+        self.waited = 0.0
+        self._commit = commit
+        self._done = threading.Event()
+        if commit is None or commit.done():
+            self._done.set()
+        else:
+            commit.add_done_callback(lambda _: self._done.set())
+
+    def __call__(self) -> bool:
+        mark = time.perf_counter()
+        self._done.wait()
+        self.waited += time.perf_counter() - mark
+        commit = self._commit
+        return commit is None or (not commit.cancelled() and commit.exception() is None)
 
 
 async def _roll_back(state: ModelState, gate: InferenceGate) -> None:

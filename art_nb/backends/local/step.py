@@ -1,10 +1,11 @@
 """One train step in the in-process backend, start to finish.
 
-The choreography, in order: settle the previous checkpoint; record the rollouts (nothing lost: on
-disk before any weight changes); hold new requests (they wait, never fail); let the engine arrange
-its memory and run the trainer (`Engine.train_with`: sleeping, out-of-memory fallback and waking
-are the engine's business); hand the new adapter to the engine in memory; write the checkpoint in
-the background (commit.py); let requests through. What happens when things go wrong is in
+The choreography, in order: record the rollouts (nothing lost: on disk before any weight changes);
+hold new requests (they wait, never fail); let the engine arrange its memory and run the trainer
+(`Engine.train_with`: sleeping, out-of-memory fallback and waking are the engine's business), which
+waits for the previous checkpoint only just before its optimizer steps (commit.py); settle that
+checkpoint (a failure rolls back and raises); hand the new adapter to the engine in memory; write
+the checkpoint in the background; let requests through. What happens when things go wrong is in
 backend.py's docstring.
 """
 
@@ -25,7 +26,7 @@ from ...engines.base import AdapterWeights
 from ...records import UNTRAINABLE_FIX, check_trainable, record_groups, record_metrics
 from ...trajectory import TrajectoryGroup
 from ...types import LocalTrainResult, ProgressCallback, TrainResult
-from .commit import settle, start_commit
+from .commit import CommitWaiter, settle, start_commit
 from .state import ModelState, StepControl, TrainingStoppedError
 
 if TYPE_CHECKING:
@@ -49,14 +50,12 @@ async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryG
     untrainable = check_trainable(groups)
     async with state.train_lock:
         started = time.perf_counter()
-        await settle(state, gate)  # the previous step's checkpoint, finished in the background
+        if state.commit is not None and state.commit.done():
+            await settle(state, gate)  # one that already failed rolls back and raises before anything is recorded
         reported: dict[str, float] = {"untrainable_trajectories": float(untrainable)}
         if untrainable:
             _log.warning("step %d: %d of %d trajectories have 0 trainable tokens (no Choice): %s; the rest train",
                          state.step, untrainable, sum(len(g.trajectories) for g in groups), UNTRAINABLE_FIX)
-        if state.commit_seconds is not None:  # reported with the step after it
-            reported |= {"time/commit_previous": state.commit_seconds, "time/commit_wait": time.perf_counter() - started}
-            state.commit_seconds = None
         await asyncio.to_thread(functools.partial(record_groups, skip_recorded=False), state.store,
                                 state.model_name, "train", state.step, groups)
         control = StepControl()
@@ -102,9 +101,15 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
         events.emit("train_started", model=state.model_name, step=step, groups=len(groups))
         mark = time.perf_counter()
         control.training = True  # from here on only the trainer can abandon the step
+        # The previous checkpoint is still being written; the trainer waits for it before its update
+        before_update = CommitWaiter(state.commit)
         metrics = await state.engine.train_with(lambda: asyncio.to_thread(
-            state.trainer.train_step, groups, config, control.stop.is_set, on_progress))
+            state.trainer.train_step, groups, config, control.stop.is_set, on_progress, before_update))
         timings["time/train"] = time.perf_counter() - mark
+        await settle(state, gate)  # done by now unless the step ended early; a failure rolls back and raises
+        if state.commit_seconds is not None:  # reported with the step after it
+            timings |= {"time/commit_previous": state.commit_seconds, "time/commit_wait": before_update.waited}
+            state.commit_seconds = None
         if metrics.get("stopped"):
             _log.warning("step %d interrupted before the optimizer stepped: abandoned, nothing saved", step)
             return None
