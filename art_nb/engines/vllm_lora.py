@@ -102,9 +102,16 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
     _check_modules(weights.tensors, _expected_modules(adapters), mapper, skip_prefixes, peft_helper,
                    manager._lora_model_cls)
-    # third-party: the worker's device (WorkerLoRAManager.device, 0.25 and 0.32)
-    device = getattr(manager, "device", None) or "cpu"
-    tensors = _private_copies(dict(weights.tensors), manager.lora_config.lora_dtype, device)
+    # On the worker's device (WorkerLoRAManager.device, 0.25 and 0.32) when the tensors already are
+    # (a step's hand-over); host tensors (a re-load after the checkpoint moved them) go vLLM's usual
+    # way, built on the host: on the H200 that way served exactly as the files, and a host-to-GPU
+    # build did not (greedy logprobs 0.011 apart, tests/gpu/results/vllm_memory_adapter_*.json).
+    held = dict(weights.tensors)  # one view of them: the checkpoint writer may swap in host copies meanwhile
+    worker_device = getattr(manager, "device", None)  # third-party
+    first = next(iter(held.values()), None)
+    on_worker = worker_device is not None and first is not None and first.device == _torch_device(worker_device)
+    device = worker_device if on_worker else "cpu"
+    tensors = _private_copies(held, manager.lora_config.lora_dtype, device)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device=device,
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
@@ -117,6 +124,15 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
         if validate is not None:
             validate(lora)
     return lora
+
+
+def _torch_device(device: Any) -> Any:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _private_copies(tensors: dict[str, Any], dtype: Any, device: Any) -> dict[str, Any]:
