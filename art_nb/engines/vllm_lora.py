@@ -102,18 +102,13 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
     _check_modules(weights.tensors, _expected_modules(adapters), mapper, skip_prefixes, peft_helper,
                    manager._lora_model_cls)
-    # On the worker's device (WorkerLoRAManager.device, 0.25 and 0.32) when the tensors already are
-    # (a step's hand-over); host tensors (a re-load after the checkpoint moved them) go vLLM's usual
-    # way, built on the host: on the H200 that way served exactly as the files, and a host-to-GPU
-    # build did not (greedy logprobs 0.011 apart, tests/gpu/results/vllm_memory_adapter_*.json).
+    # Built on the host, as vLLM's own loader does (pinned copies, moved to its GPU slots when activated).
+    # Built on the GPU instead, an adapter served greedy logprobs 0.011 away from its files in 2 of 3
+    # H200 checks, never when built on the host (tests/gpu/results/vllm_memory_adapter_2026-12-02*.json).
     held = dict(weights.tensors)  # one view of them: the checkpoint writer may swap in host copies meanwhile
-    worker_device = getattr(manager, "device", None)  # third-party
-    first = next(iter(held.values()), None)
-    on_worker = worker_device is not None and first is not None and first.device == _torch_device(worker_device)
-    device = worker_device if on_worker else "cpu"
-    tensors = _private_copies(held, manager.lora_config.lora_dtype, device)
+    tensors = _private_copies(held, manager.lora_config.lora_dtype, "cpu")
     lora = manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device=device,
+        lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
         skip_prefixes=skip_prefixes)
     # third-party: the on-disk MoE layout flag (0.25, 0.32); our adapters come from peft's save layout
@@ -126,24 +121,13 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     return lora
 
 
-def _torch_device(device: Any) -> Any:
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def _private_copies(tensors: dict[str, Any], dtype: Any, device: Any) -> dict[str, Any]:
-    """Copies in vLLM's LoRA dtype (where it is resolved to one) on the worker's `device`, built there
-    the way `from_lora_tensors` keeps them.
+    """Copies in vLLM's LoRA dtype (where it is resolved to one) on `device`, packed in one buffer per dtype.
 
     Copies, because vLLM scales lora_b in place (LoRALayerWeights.optimize) and these tensors are also
-    the checkpoint being written. On the worker's device, not vLLM's usual pinned host copies: the
-    trainer's tensors are already on that GPU, so nothing crosses to the host, and pinning ~400
-    tensors one by one is not paid on the step's path. One buffer per dtype, filled in one pass
-    (conversion included) where the tensors are, moved to `device` in one transfer if it is elsewhere.
+    the checkpoint being written. Filled in one pass (conversion included) where the tensors are, so a
+    step's adapter, still on the trainer's GPU, is converted there and crosses to the host once, not
+    once per tensor.
     """
     import torch
 

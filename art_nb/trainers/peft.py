@@ -235,9 +235,10 @@ class PeftTrainer:
         """The adapter as `save_pretrained` would write it, copied on the trainer's device: what a step
         hands the engine.
 
-        One buffer per dtype, on the device: an engine on the same GPU takes it from there, and the
-        host copy the checkpoint needs is made in the background (`AdapterWeights.on_host`, one
-        transfer, not ~200). Non-finite weights are refused here, so nothing non-finite is ever
+        One buffer per dtype, on the device: nothing waits for a host transfer on the step's path
+        (vLLM converts it to its LoRA dtype there and moves it to the host once; the HF engine on the
+        same GPU takes it as it is), and the checkpoint's host copy is made in the background
+        (`AdapterWeights.on_host`, one transfer, not ~200). Non-finite weights are refused here, so nothing non-finite is ever
         served or saved.
         """
         return AdapterWeights(tensors=packed_copies(self._adapter_tensors(), to_host=False, what="adapter weights"),
