@@ -283,8 +283,8 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
             lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** ({goal}){missed}.", ""]
     for key, label in (("overhead_goal_met", "overhead outside rollouts and training < 5%"),
                        ("swap_goal_met", "adapter hand-over (`time/swap`) <= 50 ms")):
-        if verdict.get(key) is False:
-            lines += [f"Goal {label}: **missed**.", ""]
+        if key in verdict:
+            lines += [f"Goal {label}: {'met' if verdict[key] else '**missed**'}.", ""]
     before = load(RESULTS, "gpu_step_before_background_checkpoint")
     if before and before.get("sections", {}).get("art", {}).get("status") == "ok":
         old = before["sections"]["art"]["step_stats"]
