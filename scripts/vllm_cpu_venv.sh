@@ -33,7 +33,8 @@ from importlib.metadata import version
 for name in ("torch", "transformers", "tokenizers", "huggingface_hub"):
     print(f"{name}=={version(name)}")
 EOF
-  pip_ --no-deps -e .
+  if command -v flock >/dev/null; then lock=(flock .install.lock); else lock=(); fi  # as in setup.sh
+  ${lock[@]+"${lock[@]}"} "$VENV/bin/pip" install -q --no-deps -e .
   pip_ -c "$VENV/constraints.txt" pydantic openai httpx tqdm starlette uvicorn peft safetensors gguf filelock
   "$VENV/bin/python" -c "import vllm, peft, art_nb; print('vllm', vllm.__version__, 'peft', peft.__version__)"
   touch "$stamp"
