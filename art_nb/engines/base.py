@@ -95,22 +95,23 @@ class AdapterWeights:
         return packed_copies(self.tensors, to_host=True, what="adapter weights")
 
 
-def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str) -> dict[str, Any]:
-    """Private copies of `tensors`: per device and dtype packed into one new buffer on their device and
-    checked for NaN/inf there (one sync; ValueError naming the first bad one), then, with `to_host`,
-    copied to the host in one transfer (a copy per tensor would wait on the device each time). The
-    copies are views of that buffer."""
+def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str | None = None,
+                  dtype: Any = None) -> dict[str, Any]:
+    """Private copies of `tensors` (in `dtype` if given), packed per device and dtype into one new
+    buffer on their device; with `what`, checked there for NaN/inf (one sync; ValueError "non-finite
+    {what}" naming the first bad one); with `to_host`, copied to the host in one transfer (a copy per
+    tensor would wait on the device each time). The copies are views of that buffer."""
     import torch
 
     by_kind: dict[tuple[Any, Any], list[str]] = {}
     for name, tensor in tensors.items():
-        by_kind.setdefault((tensor.device, tensor.dtype), []).append(name)
+        by_kind.setdefault((tensor.device, dtype or tensor.dtype), []).append(name)
     copied: dict[str, Any] = {}
-    for names in by_kind.values():
-        flat = torch.cat([tensors[name].detach().reshape(-1) for name in names])  # a new buffer, also on CPU
+    for (_, kind), names in by_kind.items():
+        flat = torch.cat([tensors[name].detach().reshape(-1) for name in names]).to(kind)  # new, also on CPU
         # A sum is NaN/inf if any element is (5-10x cheaper than isfinite().all() on a CPU); a sum that
         # merely overflowed is told apart by the exact check, which runs only then.
-        if flat.is_floating_point() and not bool(torch.isfinite(flat.sum())):
+        if what is not None and flat.is_floating_point() and not bool(torch.isfinite(flat.sum())):
             bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
             if bad is not None:
                 raise ValueError(f"refusing to save non-finite {what} ({bad})")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .base import AdapterWeights, EngineError
+from .base import AdapterWeights, EngineError, packed_copies
 
 __all__ = ["install", "spill"]
 
@@ -86,6 +86,7 @@ def _install_on_worker(worker: Any, held: dict[int, AdapterWeights]) -> None:
 
 def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> Any:
     """What `WorkerLoRAManager._load_adapter` does, with the files' content taken from `weights`."""
+    import torch
     from vllm.lora.peft_helper import PEFTHelper
 
     adapters = manager._adapter_manager
@@ -105,8 +106,13 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     # Built on the host, as vLLM's own loader does (pinned copies, moved to its GPU slots when activated).
     # Built on the GPU instead, an adapter served greedy logprobs 0.011 away from its files in 2 of 3
     # H200 checks, never when built on the host (tests/gpu/results/vllm_memory_adapter_2026-12-02*.json).
-    held = dict(weights.tensors)  # one view of them: the checkpoint writer may swap in host copies meanwhile
-    tensors = _private_copies(held, manager.lora_config.lora_dtype, "cpu")
+    # Copies, because vLLM scales lora_b in place (LoRALayerWeights.optimize) and these tensors are also
+    # the checkpoint being written: converted to vLLM's LoRA dtype where they are (a step's adapter is
+    # still on the trainer's GPU), then to the host in one transfer. `dict(...)`: one view of them, as
+    # the checkpoint writer may swap in host copies meanwhile.
+    lora_dtype = manager.lora_config.lora_dtype
+    tensors = packed_copies(dict(weights.tensors), to_host=True,
+                            dtype=lora_dtype if isinstance(lora_dtype, torch.dtype) else None)
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
@@ -119,30 +125,6 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
         if validate is not None:
             validate(lora)
     return lora
-
-
-def _private_copies(tensors: dict[str, Any], dtype: Any, device: Any) -> dict[str, Any]:
-    """Copies in vLLM's LoRA dtype (where it is resolved to one) on `device`, packed in one buffer per dtype.
-
-    Copies, because vLLM scales lora_b in place (LoRALayerWeights.optimize) and these tensors are also
-    the checkpoint being written. Filled in one pass (conversion included) where the tensors are, so a
-    step's adapter, still on the trainer's GPU, is converted there and crosses to the host once, not
-    once per tensor.
-    """
-    import torch
-
-    by_dtype: dict[Any, list[str]] = {}
-    for name, tensor in tensors.items():
-        by_dtype.setdefault(dtype if isinstance(dtype, torch.dtype) else tensor.dtype, []).append(name)
-    copies: dict[str, Any] = {}
-    for kind, names in by_dtype.items():
-        sizes = [tensors[name].numel() for name in names]
-        flat = torch.empty(sum(sizes), dtype=kind, device=tensors[names[0]].device)
-        for piece, name in zip(flat.split(sizes), names, strict=True):
-            piece.copy_(tensors[name].reshape(-1))
-        pieces = flat.to(device).split(sizes)
-        copies.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
-    return {name: copies[name] for name in tensors}
 
 
 def _expected_modules(adapters: Any) -> set[str]:

@@ -228,8 +228,8 @@ class PeftTrainer:
 
     def save_adapter(self, directory: Path) -> None:
         """Write the PEFT adapter (safetensors + config): what an engine loads to serve this step."""
-        weights = self.adapter_weights()
-        write_adapter(directory, weights.on_host(), weights.config)
+        tensors = packed_copies(self._adapter_tensors(), to_host=True, what="adapter weights")
+        write_adapter(directory, tensors, self._adapter_config())
 
     def adapter_weights(self) -> AdapterWeights:
         """The adapter as `save_pretrained` would write it, copied on the trainer's device: what a step
@@ -238,8 +238,8 @@ class PeftTrainer:
         One buffer per dtype, on the device: nothing waits for a host transfer on the step's path
         (vLLM converts it to its LoRA dtype there and moves it to the host once; the HF engine on the
         same GPU takes it as it is), and the checkpoint's host copy is made in the background
-        (`AdapterWeights.on_host`, one transfer, not ~200). Non-finite weights are refused here, so nothing non-finite is ever
-        served or saved.
+        (`AdapterWeights.on_host`, one transfer, not ~200). Non-finite weights are refused here, so
+        nothing non-finite is ever served or saved.
         """
         return AdapterWeights(tensors=packed_copies(self._adapter_tensors(), to_host=False, what="adapter weights"),
                               config=self._adapter_config())

@@ -96,18 +96,18 @@ def test_install_hands_the_shared_dict_to_the_worker() -> None:
     assert manager._art_nb_held is held
 
 
-def test_private_copies_are_in_the_lora_dtype_packed_and_not_shared_with_the_trainer() -> None:
-    from art_nb.engines.vllm_lora import _private_copies
+def test_copies_for_vllm_are_in_the_lora_dtype_packed_and_not_shared_with_the_trainer() -> None:
+    from art_nb.engines.base import packed_copies
 
     tensors = {"a": torch.randn(16, 8), "b": torch.randn(8, 16).t(), "c": torch.randn(3, dtype=torch.float64)}
-    copies = _private_copies(tensors, torch.bfloat16, "cpu")
+    copies = packed_copies(tensors, to_host=True, dtype=torch.bfloat16)  # as vllm_lora._from_tensors asks
     assert list(copies) == list(tensors) and all(c.dtype == torch.bfloat16 for c in copies.values())
     assert all(torch.equal(copies[k], t.to(torch.bfloat16)) and copies[k].shape == t.shape for k, t in tensors.items())
     assert len({c.untyped_storage().data_ptr() for c in copies.values()}) == 1  # one buffer: one transfer to a GPU
     original = tensors["a"].clone()
     copies["a"].mul_(2.0)  # as vLLM scales lora_b in place: the trainer's tensor must not follow
     assert torch.equal(tensors["a"], original)
-    unresolved = _private_copies(tensors, "auto", "cpu")  # a dtype vLLM has not resolved: each keeps its own
+    unresolved = packed_copies(tensors, to_host=True)  # a dtype vLLM has not resolved: each keeps its own
     assert unresolved["c"].dtype == torch.float64 and torch.equal(unresolved["b"], tensors["b"])
 
 
