@@ -57,6 +57,11 @@ class ModelConfig(BaseModel):
         None, description="how vLLM starts on a GPU: 'fast' (no torch.compile, CUDA graphs for decoding only), "
         "'compiled' (vLLM's default: slowest start, fastest decoding), 'eager' (no graphs); None: art_nb's "
         "default, now 'fast'. The environment variable ART_NB_VLLM_STARTUP overrides it")
+    vllm_4bit: bool | None = Field(
+        None, description="vLLM serves the base model in 4-bit NF4 (bitsandbytes, quantised as it loads): a 3B "
+        "model's weights take ~2 GiB instead of ~6 GiB and, with load_in_4bit, are exactly the weights the trainer "
+        "trains; decoding is slower. None: on when load_in_4bit and the installed vLLM has bitsandbytes (0.25 does, "
+        "0.32 does not)")
     sleep_during_training: bool | None = Field(
         None, description="put vLLM to sleep while a step trains; None = only when training would not fit beside it")
     seed: int = 0

@@ -38,9 +38,15 @@ GiB = 1024**3
 _NF4_BYTES_PER_PARAM = 4.5 / 8
 # A LoRA parameter in training: fp32 weight + fp32 gradient + AdamW's two fp32 moments.
 _LORA_STATE_BYTES = 16
-# vLLM beyond weights and KV: the profiling activation peak, sampler, LoRA buffers, CUDA graph pool.
-_VLLM_BASE_OVERHEAD = 2 * GiB  # measured: +2.4 GiB over the profile while serving 64 long rollouts at 3B (bench/results/h200/gpu_memory_fit_*.json)
+# vLLM inside its share beyond weights, KV and one step's activations: sampler, LoRA slots, profiling peak.
+_VLLM_BASE_OVERHEAD = GiB
 _VLLM_CUDA_GRAPHS = GiB // 2
+# What vLLM's process grows by *beyond* its share while serving long rollouts: gpu_memory_utilization
+# sizes the KV cache at start-up, but blocks the caching allocator takes later are not in it. Measured
+# at 3B under a 15 GiB cap (bench/results/h200/gpu_memory_fit*.json): +2.0 GiB used from register to the
+# end of 64 rollouts of ~3900 tokens (+2.4 GiB in an earlier run). Planned beside the share, not in it.
+_VLLM_SERVING_GROWTH = int(2.4 * GiB)
+_KV_FLOOR_SEQUENCES = 8
 VLLM_STEP_TOKENS = 8192  # tokens of one scheduler step, what vLLM's profiling run uses
 # What a sleeping vLLM (level 1) still holds: allocator cache, CUDA graph pool, LoRA slots.
 _VLLM_ASLEEP = GiB // 2
@@ -157,6 +163,7 @@ def plan_gpu_memory(
     microbatch_tokens: int | None = None,
     gradient_checkpointing: bool = True,
     cuda_graphs: bool = True,
+    engine_4bit: bool = False,
 ) -> MemoryPlan:
     """Choose vLLM's `gpu_memory_utilization` for a GPU with `free_bytes` of `total_bytes` free.
 
@@ -164,6 +171,7 @@ def plan_gpu_memory(
     `microbatch_tokens`: tokens per forward/backward in training (TrainConfig.microbatch_tokens; None: the
     trainer's GPU default, `default_microbatch_tokens("cuda")`).
     `override`: the user's ModelConfig.gpu_memory_utilization, used as given (and checked).
+    `engine_4bit`: vLLM holds its weights as NF4 (bitsandbytes), like a 4-bit trainer.
     """
     if total_bytes <= 0 or free_bytes <= 0 or model_params <= 0:
         raise ValueError("free_bytes, total_bytes and model_params must be positive")
@@ -181,9 +189,10 @@ def plan_gpu_memory(
                    "fragmentation and the notebook")
 
     # The trainer: resident while serving, plus activations while training.
+    embed = shape.embedding_params() if shape else int(0.05 * model_params)
+    nf4_weights = int((model_params - embed) * _NF4_BYTES_PER_PARAM) + embed * dtype_bytes
     if load_in_4bit:
-        embed = shape.embedding_params() if shape else int(0.05 * model_params)
-        trainer_weights = int((model_params - embed) * _NF4_BYTES_PER_PARAM) + embed * dtype_bytes
+        trainer_weights = nf4_weights
         how = "4-bit NF4 (embeddings unquantised)"
     else:
         trainer_weights = model_params * dtype_bytes
@@ -206,8 +215,9 @@ def plan_gpu_memory(
             "TrainConfig.microbatch_tokens, set ModelConfig.load_in_4bit=True, or use a smaller model"
         )
 
-    # vLLM while serving: weights + overhead + KV, in the room the resident trainer leaves.
-    weights = model_params * dtype_bytes
+    # vLLM while serving: weights + overhead + KV, in the room the resident trainer and vLLM's own
+    # growth beyond its share leave.
+    weights = nf4_weights if engine_4bit else model_params * dtype_bytes
     overhead = _VLLM_BASE_OVERHEAD + (_VLLM_CUDA_GRAPHS if cuda_graphs else 0)
     if shape:
         overhead += VLLM_STEP_TOKENS * (4 * shape.hidden_size + 2 * shape.intermediate_size) * dtype_bytes
@@ -215,9 +225,20 @@ def plan_gpu_memory(
     else:
         overhead += _UNKNOWN_SHAPE_ACTIVATIONS
         kv_per_token = max(1, int(0.5 * model_params * dtype_bytes / 4096))  # ~half the weights per 4k tokens
-    room = usable - resident
     minimum = weights + overhead + kv_per_token * max_seq_len
     wanted = weights + overhead + kv_per_token * batch_tokens
+    # Keep room for the growth beside the share, unless that would leave KV for fewer than
+    # _KV_FLOOR_SEQUENCES full-length sequences (rollouts then crawl): the room gives way down to that.
+    floor = weights + overhead + kv_per_token * min(batch_tokens, _KV_FLOOR_SEQUENCES * max_seq_len)
+    slack = total_bytes // 500  # the share is rounded to 0.001 of the total
+    growth = max(0, min(_VLLM_SERVING_GROWTH, usable - resident - max(minimum, floor) - slack))
+    room = usable - resident - growth
+    if growth < _VLLM_SERVING_GROWTH:
+        warnings.append(
+            f"serving may use up to {_gib(_VLLM_SERVING_GROWTH - growth)} more than planned (vLLM grows beyond "
+            "its share while serving long rollouts): serve 4-bit weights (ModelConfig.vllm_4bit), lower max_seq_len, or use "
+            "a smaller model for headroom"
+        )
 
     if override is not None:
         share = override
@@ -231,10 +252,12 @@ def plan_gpu_memory(
         # Shares are rounded to 0.001: up for what vLLM wants, down for what there is room for
         # (vLLM refuses to start when its share of the total exceeds the free memory).
         share = min(_round(wanted / total_bytes, math.ceil), _round(room / total_bytes, math.floor), 0.95)
+        what = f"{_gib(weights)} {'NF4 ' if engine_4bit else ''}weights"
         if wanted <= room:
-            reasons.append(f"vLLM: {_gib(weights)} weights + {_gib(overhead)} overhead + KV for {batch_tokens} tokens")
+            reasons.append(f"vLLM: {what} + {_gib(overhead)} overhead + KV for {batch_tokens} tokens")
         else:
-            reasons.append(f"vLLM: all {_gib(room)} left next to the resident trainer; KV for fewer than the "
+            reasons.append(f"vLLM: all {_gib(room)} left next to the resident trainer ({what}) and "
+                           f"{_gib(growth)} for vLLM's growth while serving; KV for fewer than the "
                            f"{batch_tokens} tokens wanted, so fewer sequences run at once")
     vllm_bytes = int(share * total_bytes)
     fits = vllm_bytes >= minimum
@@ -246,8 +269,8 @@ def plan_gpu_memory(
         )
     kv_bytes = max(vllm_bytes - weights - overhead, 0)
     awake_peak = resident + int(1.25 * activations)  # a quarter more: the estimate must err towards sleeping
-    train_awake = fits and vllm_bytes + awake_peak <= usable
-    both = f"its {_gib(vllm_bytes)} + training {_gib(awake_peak)}"
+    train_awake = fits and vllm_bytes + growth + awake_peak <= usable
+    both = f"its {_gib(vllm_bytes + growth)} + training {_gib(awake_peak)}"
     reasons.append(f"vLLM stays awake while training: {both} fit in {_gib(usable)}" if train_awake else
                    f"vLLM sleeps while training: {both} exceed {_gib(usable)}" if fits else
                    "vLLM sleeps while training: it does not fit as planned")

@@ -3,17 +3,17 @@
 The configuration (art_nb/notebook/hardware.py, task "2048" on a GPU): 8 groups x 8 rollouts per step,
 max_seq_len 4096, LoRA rank 16 (alpha 32), here with the issue's Qwen2.5-3B-shaped model (RANDOM
 WEIGHTS, SmolLM2 tokenizer: no hub on the GPU machine) and the trainer in 4-bit (Unsloth, NF4); vLLM
-serves the bf16 weights, started as the notebook starts it (`--startup`, art_nb's default "fast": CUDA
-graphs for decode, which cost memory), and sleeps during the step when training would not fit beside it.
+serves the same NF4 weights where it has bitsandbytes (`ModelConfig.vllm_4bit`, `--vllm-4bit off` for
+bf16 weights), started as the notebook starts it (`--startup`, art_nb's default "fast": CUDA graphs for
+decode, which cost memory), and sleeps during the step when training would not fit beside it.
 
 The cap, in this one process: `torch.cuda.set_per_process_memory_fraction(cap / total)` before any
-allocation (bounds PyTorch's allocator: the trainer, and vLLM's activations), and vLLM's
-`gpu_memory_utilization` set to the share art_nb's memory plan would pick on a GPU of `cap` bytes,
-rescaled to this GPU's total (vLLM's weights and KV cache live outside PyTorch's allocator). What
-is reported: device-wide used memory (total - free, what nvidia-smi shows), polled every 50 ms
-through registration, rollouts and one full train step (sleep, train, save, wake, LoRA load), and
-`torch.cuda.max_memory_reserved`; the headroom under the cap after register. It fits when the polled
-peak stays under the cap; issue 15's goal is a peak under 12 GiB.
+allocation (bounds PyTorch's allocator: the trainer, and vLLM's activations); art_nb's memory plan
+reads the fraction back and plans vLLM's share within the cap (`vllm_plan._plannable_memory`), as a
+user's capped process gets it. What is reported: device-wide used memory (total - free, what
+nvidia-smi shows), polled every 50 ms through registration, rollouts and one full train step (sleep,
+train, save, wake, LoRA load), and `torch.cuda.max_memory_reserved`; the headroom under the cap after
+register. It fits when the polled peak stays under the cap; issue 15's goal is a peak under 12 GiB.
 
 Rollouts are synthetic 2048 games through the OpenAI endpoint: the notebook's prompts and boards,
 turns of fixed length (`ignore_eos`), continued until the conversation nears max_seq_len, so the
@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turn-tokens", type=int, default=64, help="tokens per model turn (fixed)")
     parser.add_argument("--startup", choices=STARTUP_MODES, default="fast",
                         help="how vLLM starts (art_nb's default 'fast' captures CUDA graphs: more memory)")
+    parser.add_argument("--vllm-4bit", choices=("auto", "on", "off"), default="auto",
+                        help="ModelConfig.vllm_4bit: auto (art_nb's default: NF4 like the 4-bit trainer when vLLM "
+                             "has bitsandbytes), on, off (vLLM serves bf16 weights)")
     args = parser.parse_args(argv)
     args.out = args.out or default_out_dir()
     args.notebook_defaults = {"max_seq_len": defaults.max_seq_len, "groups_per_step": defaults.groups_per_step,
@@ -89,26 +92,15 @@ def cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def cap_share(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
-    """Cap PyTorch at `cap` bytes and work out vLLM's share as art_nb would choose it on a `cap`-byte GPU."""
+def cap_share(args: argparse.Namespace) -> dict[str, Any]:
+    """Cap PyTorch at `cap` bytes: art_nb's memory plan reads the cap back and plans within it, as on a `cap`-byte GPU."""
     import torch
-
-    from art_nb.memory import count_parameters, plan_gpu_memory, read_model_shape
 
     free, total = torch.cuda.mem_get_info()
     cap = int(args.cap_gib * GiB)
     torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
-    used_before = total - free
-    plan = plan_gpu_memory(
-        cap - used_before, cap, count_parameters(model_dir), 2, LORA_RANK, args.max_seq_len,
-        64 * args.max_seq_len, True, shape=read_model_shape(model_dir), cuda_graphs=args.startup != "eager",
-    )
-    share = round(plan.gpu_memory_utilization * cap / total, 4)
     return {"cap_gib": args.cap_gib, "device_total_gib": round(total / GiB, 1),
-            "used_before_gib": round(used_before / GiB, 2), "torch_fraction": round(cap / total, 4),
-            "plan_share_of_cap": plan.gpu_memory_utilization, "vllm_share_of_device": share,
-            "plan_fits": plan.fits, "plan_reasons": plan.reasons, "plan_warnings": plan.warnings,
-            "plan_trainer_peak_gib": round(plan.trainer_peak_bytes / GiB, 2)}
+            "used_before_gib": round((total - free) / GiB, 2), "torch_fraction": round(cap / total, 4)}
 
 
 async def rollout_2048(model: Any, seed: int, max_seq_len: int, turn_tokens: int) -> Any:
@@ -138,15 +130,14 @@ async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> No
 
     os.environ.update(startup_env(args.startup))
     on_gpu = cuda()
-    share = None
     if on_gpu:
         with results.section("cap") as entry:
-            entry.update(cap_share(args, model_dir))
-            share = entry["vllm_share_of_device"]
-            entry["summary"] = f"torch capped at {args.cap_gib} GiB; vLLM share {share} of the device"
+            entry.update(cap_share(args))
+            entry["summary"] = f"torch capped at {args.cap_gib} GiB; art_nb plans vLLM's share within the cap"
     config = art.ModelConfig(engine="vllm", trainer="unsloth" if on_gpu else "peft", load_in_4bit=on_gpu,
                              max_seq_len=args.max_seq_len, lora=art.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA),
-                             gpu_memory_utilization=share, **startup_fields(args.startup))
+                             vllm_4bit={"auto": None, "on": True, "off": False}[args.vllm_4bit],
+                             **startup_fields(args.startup))
     model = art.TrainableModel(name="fit", project="bench", base_model=str(model_dir), config=config)
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
     phases: dict[str, GpuUsedPeak] = {}
@@ -223,13 +214,14 @@ class _Nothing:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    results = Results(args.out / "gpu_memory_fit.json", benchmark="gpu_memory_fit",
+    name = "gpu_memory_fit" + ("" if args.vllm_4bit == "auto" else f"_vllm_4bit_{args.vllm_4bit}")
+    results = Results(args.out / f"{name}.json", benchmark="gpu_memory_fit",
                       weights=weights_note(args.model, args.quick),
                       settings={"cap_gib": args.cap_gib, "max_seq_len": args.max_seq_len, "groups": args.groups,
                                 "group_size": args.group_size, "turn_tokens": args.turn_tokens,
                                 "lora_rank": LORA_RANK, "trainer": "unsloth, 4-bit (NF4)", "quick": args.quick,
                                 "notebook_defaults_2048_gpu": args.notebook_defaults,
-                                "vllm_startup": args.startup})
+                                "vllm_startup": args.startup, "vllm_4bit": args.vllm_4bit})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is not None:
         asyncio.run(run(args, results, model_dir))

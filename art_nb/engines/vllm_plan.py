@@ -32,7 +32,7 @@ from ..memory import (
 from .base import EngineError
 from .startup import startup_kwargs, startup_mode
 
-__all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory"]
+__all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory", "vllm_has_bitsandbytes"]
 
 _log = logging.getLogger("art_nb")
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
@@ -89,12 +89,17 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
     kwargs.update(start)
     reasons.append(f"start-up {mode}: {why}")
     reasons.extend(start_reasons)
+    four_bit, why = _serve_4bit(config, on_cuda)
+    if why:
+        reasons.append(why)
+    if four_bit:
+        kwargs["quantization"] = "bitsandbytes"
     shape = read_model_shape(model_path)
     if not on_cuda:
         kv, why = _cpu_kv_cache(shape, _DTYPE_BYTES[dtype], config.max_batch_size * max_len, max_len)
         return VLLMSetup({**kwargs, "kv_cache_memory_bytes": kv}, [*reasons, why])
     gpu_kwargs, gpu_reasons, train_awake = _gpu_share(model_path, config, shape, dtype, max_len, mode != "eager",
-                                                      memory)
+                                                      memory, four_bit)
     return VLLMSetup({**kwargs, **gpu_kwargs}, reasons + gpu_reasons, train_awake)
 
 
@@ -118,6 +123,51 @@ def _default_dtype(config: ModelConfig, on_cuda: bool) -> tuple[str, str]:
     return compute_dtype(config.dtype, "cuda" if on_cuda else "cpu", cuda_capability() if on_cuda else None)
 
 
+def vllm_has_bitsandbytes() -> bool:
+    """Whether the installed vLLM can quantise to NF4 as it loads (vLLM 0.25 can; 0.32 dropped the method)."""
+    if not _has_module("bitsandbytes"):
+        return False
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    except ImportError:
+        return False
+    return "bitsandbytes" in QUANTIZATION_METHODS
+
+
+def _serve_4bit(config: ModelConfig, on_cuda: bool) -> tuple[bool, str | None]:
+    """Whether vLLM serves NF4 weights (ModelConfig.vllm_4bit; None follows load_in_4bit), and why.
+
+    Why follow the trainer: a 4-bit trainer computes the policy's logprobs with NF4 weights; vLLM
+    quantises the same checkpoint the same way (nf4, double-quantised statistics, blocks of 64), so
+    the sampler then serves the weights that are trained, and holds a third of the memory.
+    """
+    wanted = config.load_in_4bit if config.vllm_4bit is None else config.vllm_4bit
+    source = "ModelConfig.vllm_4bit" if config.vllm_4bit is not None else "load_in_4bit"
+    if not wanted:
+        return False, None
+    if not on_cuda:
+        if config.vllm_4bit:
+            raise EngineError("ModelConfig.vllm_4bit=True needs a CUDA GPU (bitsandbytes quantises on CUDA only)")
+        return False, None
+    if not vllm_has_bitsandbytes():
+        from ..versions import installed_version
+
+        missing = ("bitsandbytes is not installed" if not _has_module("bitsandbytes") else
+                   f"vLLM {installed_version('vllm')} has no bitsandbytes quantisation (0.25 has it; 0.32 dropped it)")
+        if config.vllm_4bit:
+            raise EngineError(f"ModelConfig.vllm_4bit=True, but {missing}; set vllm_4bit=None or False")
+        return False, f"weights unquantised ({source} asked for 4-bit serving, but {missing})"
+    return True, (f"weights 4-bit NF4 (bitsandbytes, {source}): "
+                  + ("the weights the trainer trains, " if config.load_in_4bit else "")
+                  + "about a third of the memory, slower decoding")
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def _max_model_len(model_path: Path, config: ModelConfig) -> tuple[int, str | None]:
     """`max_seq_len`, unless the model has fewer positions (vLLM refuses a longer max_model_len)."""
     try:
@@ -138,7 +188,8 @@ def _cpu_kv_cache(shape: ModelShape | None, dtype_bytes: int, batch_tokens: int,
 
 
 def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, dtype: str, max_len: int,
-               cuda_graphs: bool, memory: tuple[int, int] | None) -> tuple[dict[str, Any], list[str], bool]:
+               cuda_graphs: bool, memory: tuple[int, int] | None,
+               four_bit: bool = False) -> tuple[dict[str, Any], list[str], bool]:
     """Sleep mode, step size and vLLM's memory share on a GPU, and whether training fits beside it awake."""
     reasons: list[str] = []
     free, total, device_total, cap_reason = _plannable_memory(memory)
@@ -150,7 +201,7 @@ def _gpu_share(model_path: Path, config: ModelConfig, shape: ModelShape | None, 
     plan = plan_gpu_memory(
         free, total, count_parameters(model_path), _DTYPE_BYTES[dtype], config.lora.rank, max_len,
         config.max_batch_size * max_len, config.load_in_4bit, shape=shape,
-        override=None if override is None else override / to_plan, cuda_graphs=cuda_graphs,
+        override=None if override is None else override / to_plan, cuda_graphs=cuda_graphs, engine_4bit=four_bit,
     )
     for warning in plan.warnings:
         _log.warning("memory: %s", warning)

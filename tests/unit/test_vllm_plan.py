@@ -79,3 +79,33 @@ def test_no_engine_module_imports_the_trainers():
                 assert "trainers" not in (node.module or ""), f"{file.name} imports {node.module}"
             elif isinstance(node, ast.Import):
                 assert not any("trainers" in alias.name for alias in node.names), file.name
+
+
+@pytest.mark.parametrize("has_bnb", [True, False])
+def test_a_4bit_trainer_gets_a_4bit_sampler_where_vllm_can_quantise(tmp_path, monkeypatch, has_bnb):
+    import art_nb.engines.vllm_plan as vllm_plan
+
+    monkeypatch.setattr(vllm_plan, "vllm_has_bitsandbytes", lambda: has_bnb)
+    model = fake_model_dir(tmp_path / "m")
+    four_bit = engine_args(model, ModelConfig(load_in_4bit=True), True, True, H200, dtype="bfloat16")
+    plain = engine_args(model, ModelConfig(), True, True, H200, dtype="bfloat16")
+    assert ("quantization" in four_bit.kwargs) is has_bnb and "quantization" not in plain.kwargs
+    if has_bnb:
+        assert four_bit.kwargs["quantization"] == "bitsandbytes"
+        assert any("4-bit NF4" in r and "the weights the trainer trains" in r for r in four_bit.reasons)
+        # and the plan counts the NF4 weights: the same KV needs a smaller share
+        assert four_bit.kwargs["gpu_memory_utilization"] < plain.kwargs["gpu_memory_utilization"]
+    else:
+        assert any("weights unquantised (load_in_4bit asked for 4-bit serving" in r for r in four_bit.reasons)
+        with pytest.raises(EngineError, match="vllm_4bit=True"):
+            engine_args(model, ModelConfig(vllm_4bit=True), True, True, H200, dtype="bfloat16")
+    # a user may keep bf16 serving beside a 4-bit trainer
+    opted_out = engine_args(model, ModelConfig(load_in_4bit=True, vllm_4bit=False), True, True, H200, dtype="bfloat16")
+    assert "quantization" not in opted_out.kwargs
+
+
+def test_4bit_serving_is_refused_off_cuda_only_when_asked_for(tmp_path):
+    model = fake_model_dir(tmp_path / "m")
+    assert "quantization" not in engine_args(model, ModelConfig(load_in_4bit=True), False, True, dtype="float32").kwargs
+    with pytest.raises(EngineError, match="needs a CUDA GPU"):
+        engine_args(model, ModelConfig(vllm_4bit=True), False, True, dtype="float32")
