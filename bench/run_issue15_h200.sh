@@ -54,7 +54,8 @@ case "$SEGMENT" in
               # fewer steps (ISSUE15_T4_STEPS=3).
               bench gpu_t4_vs_unsloth.py ${ISSUE15_T4_STEPS:+--steps $ISSUE15_T4_STEPS} $(deadline_flag 540)
               FILE=gpu_t4_vs_unsloth ;;
-  memory)     bench gpu_memory_fit.py --startup fast; FILE=gpu_memory_fit ;;
+  memory)     # ISSUE15_MEMORY_ARGS="--vllm-4bit off": vLLM serves bf16 weights beside the 4-bit trainer
+              bench gpu_memory_fit.py --startup fast ${ISSUE15_MEMORY_ARGS:-}; FILE=gpu_memory_fit ;;
   prefix)     bench hf_prefix_cache.py --out "$OUT/bench/hf_prefix_cache_h200.json"; FILE=hf_prefix_cache_h200 ;;
   startup)    bench gpu_startup.py --modes fast eager; FILE=gpu_startup ;;
   *) echo "unknown segment $SEGMENT: throughput, step, t4, memory, prefix or startup"; exit 2 ;;

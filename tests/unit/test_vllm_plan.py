@@ -83,7 +83,7 @@ def test_no_engine_module_imports_the_trainers():
 
 @pytest.mark.parametrize("has_bnb", [True, False])
 def test_a_4bit_trainer_gets_a_4bit_sampler_where_vllm_can_quantise(tmp_path, monkeypatch, has_bnb):
-    import art_nb.engines.vllm_plan as vllm_plan
+    from art_nb.engines import vllm_plan
 
     monkeypatch.setattr(vllm_plan, "vllm_has_bitsandbytes", lambda: has_bnb)
     model = fake_model_dir(tmp_path / "m")
