@@ -7,8 +7,9 @@ serves the same NF4 weights where it has bitsandbytes (`ModelConfig.vllm_4bit`, 
 bf16 weights), started as the notebook starts it (`--startup`, art_nb's default "fast": CUDA graphs for
 decode, which cost memory), and sleeps during the step when training would not fit beside it.
 
-The cap, in this one process: `torch.cuda.set_per_process_memory_fraction(cap / total)` before any
-allocation (bounds PyTorch's allocator: the trainer, and vLLM's activations); art_nb's memory plan
+The cap, in this one process: `torch.cuda.set_per_process_memory_fraction` to the cap less the CUDA
+context (a real 15 GiB GPU has that much less free too) before any allocation (bounds PyTorch's
+allocator: the trainer, vLLM's weights, KV cache and activations); art_nb's memory plan
 reads the fraction back and plans vLLM's share within the cap (`vllm_plan._plannable_memory`), as a
 user's capped process gets it. What is reported: device-wide used memory (total - free, what
 nvidia-smi shows), polled every 50 ms through registration, rollouts and one full train step (sleep,
@@ -93,14 +94,22 @@ def cuda() -> bool:
 
 
 def cap_share(args: argparse.Namespace) -> dict[str, Any]:
-    """Cap PyTorch at `cap` bytes: art_nb's memory plan reads the cap back and plans within it, as on a `cap`-byte GPU."""
+    """Cap PyTorch as on a `cap`-byte GPU; art_nb's memory plan reads the cap back and plans within it.
+
+    On a real GPU of that size the CUDA context already takes part of it before anything is
+    allocated (torch.cuda.mem_get_info's free memory says so); here the device is bigger, so PyTorch's
+    cap is `cap` less what this process holds outside PyTorch at the start (its context: nothing else
+    runs on the GPU machine). The peak is then read device-wide, context included, against `cap`.
+    """
     import torch
 
+    torch.cuda.init()
     free, total = torch.cuda.mem_get_info()
-    cap = int(args.cap_gib * GiB)
-    torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
+    cap, outside = int(args.cap_gib * GiB), total - free - torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction(min((cap - outside) / total, 1.0))
     return {"cap_gib": args.cap_gib, "device_total_gib": round(total / GiB, 1),
-            "used_before_gib": round((total - free) / GiB, 2), "torch_fraction": round(cap / total, 4)}
+            "used_before_gib": round((total - free) / GiB, 2), "outside_torch_at_start_gib": round(outside / GiB, 2),
+            "torch_cap_gib": round((cap - outside) / GiB, 2), "torch_fraction": round((cap - outside) / total, 4)}
 
 
 async def rollout_2048(model: Any, seed: int, max_seq_len: int, turn_tokens: int) -> Any:

@@ -5,8 +5,10 @@
 Not a pytest file (one vLLM start, ~1 min on an H200 with eager start-up). Writes OUT/vllm_4bit.json
 and exits non-zero when a check fails. On the real SmolLM2 (tests/gpu/conftest.py's folder, or MODEL_DIR):
 - the engine starts with `quantization="bitsandbytes"` and an r16 LoRA on every linear module;
+- identical requests repeated: NF4 serving's logprobs are not bitwise reproducible (seen: up to 0.12 apart,
+  same tokens), so "the same" below means the same tokens and logprobs within max(1e-3, twice that spread);
 - the adapter handed over in memory serves the same greedy tokens as from its directory;
-- sleep (level 1: weights to the CPU) and wake change nothing: same tokens, logprobs within 1e-3,
+- sleep (level 1: weights to the CPU) and wake change nothing: same tokens, logprobs as above,
   with the adapter and without (vLLM issue 53888 saw a quantised model's LoRA stop applying after wake);
 - the claim behind following the trainer: vLLM's NF4 logprobs of its own greedy tokens are closer to
   those of the trainer's 4-bit model (transformers + bitsandbytes NF4 as art_nb's peft trainer loads it,
@@ -90,12 +92,19 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
     try:
         await engine.load_adapter("disk@1", r16)
         disk, base = await greedy("disk@1"), await greedy(None)
+        # The same request again: how far NF4 serving's logprobs move between identical requests (bf16: 0).
+        repeats = [await greedy("disk@1") for _ in range(3)]
+        noise = max(gap(r.logprobs, disk.logprobs) for r in repeats)
+        result["repeat"] = {"tokens_equal": all(r.token_ids == disk.token_ids for r in repeats),
+                            "max_abs_logprob_gap": noise}
+        same = max(SAME, 2 * noise)
+        result["same_within"] = same
         await engine.load_adapter("mem@1", work / "never-written", weights=weights_of(r16))
         memory = await greedy("mem@1")
         result["memory_vs_disk"] = {"tokens_equal": memory.token_ids == disk.token_ids,
                                     "max_abs_logprob_gap": gap(memory.logprobs, disk.logprobs)}
         result["checks"]["memory_serves_as_disk"] = (memory.token_ids == disk.token_ids
-                                                     and gap(memory.logprobs, disk.logprobs) < SAME)
+                                                     and gap(memory.logprobs, disk.logprobs) < same)
         result["checks"]["adapter_applies"] = disk.token_ids != base.token_ids
 
         sleeps = []
@@ -109,7 +118,7 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
                                 "max_abs_logprob_gap": gap(after.logprobs, disk.logprobs),
                                 "base_tokens_equal": after_base.token_ids == base.token_ids}
         result["checks"]["sleep_wake_changes_nothing"] = (after.token_ids == disk.token_ids and
-                                                          gap(after.logprobs, disk.logprobs) < SAME and
+                                                          gap(after.logprobs, disk.logprobs) < same and
                                                           after_base.token_ids == base.token_ids)
     finally:
         await engine.close()
