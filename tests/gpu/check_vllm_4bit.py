@@ -5,8 +5,9 @@
 Not a pytest file (one vLLM start, ~1 min on an H200 with eager start-up). Writes OUT/vllm_4bit.json
 and exits non-zero when a check fails. On the real SmolLM2 (tests/gpu/conftest.py's folder, or MODEL_DIR):
 - the engine starts with `quantization="bitsandbytes"` and an r16 LoRA on every linear module;
-- identical requests repeated: NF4 serving's logprobs are not bitwise reproducible (seen: up to 0.12 apart,
-  same tokens), so "the same" below means the same tokens and logprobs within max(1e-3, twice that spread);
+- identical requests repeated: are NF4 serving's logprobs reproducible? (7c80458: the first request and later
+  ones were up to 0.12 apart, same tokens.) "The same" below means the same tokens and logprobs within
+  max(1e-3, twice the spread seen among the repeats), and the gap to the closest repeat is reported;
 - the adapter handed over in memory serves the same greedy tokens as from its directory;
 - sleep (level 1: weights to the CPU) and wake change nothing: same tokens, logprobs as above,
   with the adapter and without (vLLM issue 53888 saw a quantised model's LoRA stop applying after wake);
@@ -92,17 +93,26 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
     try:
         await engine.load_adapter("disk@1", r16)
         disk, base = await greedy("disk@1"), await greedy(None)
-        # The same request again: how far NF4 serving's logprobs move between identical requests (bf16: 0).
-        repeats = [await greedy("disk@1") for _ in range(3)]
-        noise = max(gap(r.logprobs, disk.logprobs) for r in repeats)
+        # The same request again: do NF4 serving's logprobs move between identical requests (bf16: never
+        # seen), and is it the first request after start-up that differs (kernels compiled on first use)?
+        repeats = [await greedy("disk@1") for _ in range(4)]
         result["repeat"] = {"tokens_equal": all(r.token_ids == disk.token_ids for r in repeats),
-                            "max_abs_logprob_gap": noise}
-        same = max(SAME, 2 * noise)
+                            "gap_first_to_repeats": [round(gap(r.logprobs, disk.logprobs), 6) for r in repeats],
+                            "gap_among_repeats": [round(gap(r.logprobs, repeats[0].logprobs), 6) for r in repeats[1:]]}
+        runs = [disk, *repeats]
+        spread = max(gap(a.logprobs, b.logprobs) for a in runs for b in runs)
+
+        def closest(sample: Any) -> float:
+            """The gap to the nearest of the disk adapter's own results: 0 when `sample` is one of them."""
+            return min(gap(sample.logprobs, r.logprobs) for r in runs)
+
+        same = max(SAME, 2 * spread)
         result["same_within"] = same
         await engine.load_adapter("mem@1", work / "never-written", weights=weights_of(r16))
         memory = await greedy("mem@1")
         result["memory_vs_disk"] = {"tokens_equal": memory.token_ids == disk.token_ids,
-                                    "max_abs_logprob_gap": gap(memory.logprobs, disk.logprobs)}
+                                    "max_abs_logprob_gap": gap(memory.logprobs, disk.logprobs),
+                                    "gap_to_closest_disk_run": closest(memory)}
         result["checks"]["memory_serves_as_disk"] = (memory.token_ids == disk.token_ids
                                                      and gap(memory.logprobs, disk.logprobs) < same)
         result["checks"]["adapter_applies"] = disk.token_ids != base.token_ids
@@ -116,6 +126,7 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
         after, after_base = await greedy("disk@1"), await greedy(None)
         result["sleep_wake"] = {"seconds": sleeps, "tokens_equal": after.token_ids == disk.token_ids,
                                 "max_abs_logprob_gap": gap(after.logprobs, disk.logprobs),
+                                "gap_to_closest_disk_run": closest(after),
                                 "base_tokens_equal": after_base.token_ids == base.token_ids}
         result["checks"]["sleep_wake_changes_nothing"] = (after.token_ids == disk.token_ids and
                                                           gap(after.logprobs, disk.logprobs) < same and
