@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .config import default_microbatch_tokens
 
-__all__ = ["GiB", "ModelShape", "MemoryPlan", "plan_gpu_memory", "read_model_shape", "count_parameters"]
+__all__ = ["GiB", "ModelShape", "MemoryPlan", "count_parameters", "headroom", "plan_gpu_memory", "read_model_shape"]
 
 GiB = 1024**3
 
@@ -287,6 +287,16 @@ def plan_gpu_memory(
         warnings=warnings,
         train_awake=train_awake,
     )
+
+
+def headroom(used: int, total: int, capped: bool, vllm: bool) -> str:
+    """What register reports about the GPU once engine and trainer are loaded: used, left, and what is still to come."""
+    where = "this process's cap" if capped else "the GPU"
+    line = f"{_gib(used)} used of {_gib(total)} ({where}) after register: {_gib(max(total - used, 0))} headroom"
+    if vllm:
+        line += (f"; serving long rollouts takes up to ~{_gib(_VLLM_SERVING_GROWTH)} more (planned), "
+                 "a train step the training peak the plan names above")
+    return line
 
 
 def _round(fraction: float, how: Callable[[float], int]) -> float:

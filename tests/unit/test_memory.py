@@ -170,3 +170,12 @@ def test_growth_room_shrinks_with_a_warning_rather_than_refusing_a_model_that_fi
     assert p.fits
     assert any("more than planned" in w for w in p.warnings)
     assert p.kv_tokens >= 4096
+
+
+def test_register_reports_the_headroom_within_the_cap():
+    from art_nb.memory import headroom
+
+    line = headroom(int(10.4 * GiB), 15 * GiB, capped=True, vllm=True)
+    assert line.startswith("10.4 GiB used of 15.0 GiB (this process's cap) after register: 4.6 GiB headroom")
+    assert "up to ~2.4 GiB more" in line
+    assert headroom(20 * GiB, 16 * GiB, capped=False, vllm=False).endswith("0.0 GiB headroom")  # never negative

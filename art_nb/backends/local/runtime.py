@@ -248,6 +248,9 @@ class Runtime:
             state.loaded_adapters.add(step)
         choices["startup"] = clock.finish()
         _log.info("startup: %s", choices["startup"])
+        if plan.device == "cuda":
+            choices["gpu_memory"] = _gpu_headroom(plan.engine == "vllm")
+            _log.info("gpu_memory: %s", choices["gpu_memory"])
         return state
 
     # ---- what the backend facade forwards -------------------------------------------------------
@@ -345,6 +348,19 @@ def finish_checkpoints() -> None:
                 runtime.loop.run_sync(settle(state, runtime.gate), timeout=600)
             except Exception as error:  # noqa: BLE001 - at exit, the log is all there is
                 _log.error("checkpoint of %s at exit: %s", state.model_name, error)
+
+
+def _gpu_headroom(vllm: bool) -> str:
+    """The device's memory after register, within this process's cap when one is set (issue 15: report the headroom)."""
+    import torch
+
+    from ...engines.vllm_plan import memory_snapshot
+    from ...memory import headroom
+
+    free, total, device_total, _ = memory_snapshot()
+    capped = total < device_total
+    used = torch.cuda.memory_reserved() if capped else total - free
+    return headroom(used, total, capped, vllm)
 
 
 async def _create_engine(plan: Plan, path: Path, config: ModelConfig) -> Engine:
