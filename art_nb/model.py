@@ -13,6 +13,7 @@ backend serves and trains with, `backend_config` (art_nb.porting says how).
 from __future__ import annotations
 
 import asyncio
+import os
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -119,6 +120,13 @@ class Model(BaseModel):
             kwargs.setdefault("timeout", 600.0)
             # Requests wait (never fail) while a step trains; retries only cover a dropped connection.
             kwargs.setdefault("max_retries", 2)
+            if "http_client" not in kwargs and os.environ.get("ART_NB_IN_PROCESS_CLIENT", "1") != "0":
+                # A backend serving in this process is called without a socket (server/inprocess.py: half
+                # the CPU per request); any other client still reaches it over HTTP at base_url.
+                make = getattr(self._backend, "in_process_http_client", None)
+                http_client = make(self) if make is not None else None
+                if http_client is not None:
+                    kwargs["http_client"] = http_client
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
             clients[key] = client
         return client

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/endpoint_per_request.py [--concurrency 8 64 256] [--requests 512]
         [--repeats 3] [--model DIR] [--label after] [--baseline OTHER.json] [--profile KIND:CONC]
-        [--art-nb-root TREE] [--out bench/results/endpoint_per_request.json]
+        [--art-nb-root TREE] [--transport inprocess|http] [--out bench/results/endpoint_per_request.json]
 
 On the GPU the endpoint shares one process (one GIL) with vLLM's engine thread, so every
 microsecond it spends per request on rendering, validation, tokenising, building the response and
@@ -10,7 +10,8 @@ JSON is taken from the engine. Here the engine answers at once with a fixed 128-
 what is left is exactly that per-request cost. The server is the one LocalBackend runs:
 `create_app` over an async registry with a bearer key, `start_server` (uvicorn on 127.0.0.1), on a
 `BackgroundLoop` thread as in a notebook; the client is the real `openai.AsyncOpenAI` on the main
-thread. Three calls: what a rollout makes (`create(model, messages, max_tokens)`), the same with
+thread, calling the app without a socket as `model.openai_client()` does (`--transport inprocess`, the
+default) or over loopback HTTP as any other client (`--transport http`). Three calls: what a rollout makes (`create(model, messages, max_tokens)`), the same with
 `logprobs=True`, and `stream=True` (consumed to the end).
 
 Each run sends `--requests` requests, `CONC` at a time, with tic-tac-toe prompts (first and third
@@ -158,9 +159,10 @@ async def one_run(client: Any, kind: str, concurrency: int, prompts: list[list[d
 class Bench:
     """The server on its own loop thread, the client on this thread's loop."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, transport: str = "inprocess") -> None:
         from transformers import AutoTokenizer
 
+        self.transport = transport
         from art_nb.backends.local.loop import BackgroundLoop
         from art_nb.server import InferenceGate, create_app, start_server
 
@@ -178,7 +180,9 @@ class Bench:
     def client(self) -> Any:
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.key, max_retries=0, timeout=120)
+        # "inprocess": what model.openai_client() hands a rollout for a LocalBackend in this process
+        extra = {"http_client": self.server.in_process_http_client()} if self.transport == "inprocess" else {}
+        return openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.key, max_retries=0, timeout=120, **extra)
 
     def close(self) -> None:
         self.loop.run_sync(self.server.stop(), timeout=30)
@@ -255,6 +259,9 @@ def main() -> None:
     parser.add_argument("--label", default="after")
     parser.add_argument("--baseline", type=Path, default=None, help="an earlier run's JSON, kept and compared")
     parser.add_argument("--profile", default=None, metavar="KIND:CONC")
+    parser.add_argument("--transport", choices=("inprocess", "http"), default="inprocess",
+                        help="inprocess: the client model.openai_client() makes (no socket); http: over loopback, "
+                             "as any other HTTP client (and every client before the in-process transport)")
     parser.add_argument("--art-nb-root", type=Path, default=None, help="import art_nb from this tree instead")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "endpoint_per_request.json")
     args = parser.parse_args()
@@ -263,7 +270,7 @@ def main() -> None:
     import art_nb
 
     model = args.model or tokenizer_dir()
-    bench = Bench(model)
+    bench = Bench(model, args.transport)
     try:
         if args.profile:
             kind, concurrency = args.profile.split(":")
@@ -272,7 +279,7 @@ def main() -> None:
         results = Results(args.out, benchmark="endpoint_per_request", label=args.label,
                           art_nb_imported_from=str(Path(art_nb.__file__).parent), tokenizer=str(model),
                           engine=f"InstantEngine: {TOKENS} fixed tokens per sample, no model",
-                          requests_per_run=args.requests, repeats=args.repeats)
+                          requests_per_run=args.requests, repeats=args.repeats, transport=args.transport)
         if args.art_nb_root is not None:
             import subprocess
 

@@ -36,10 +36,17 @@ class _QuietServer(uvicorn.Server):
 class RunningServer:
     """A server started by `start_server`. `base_url` ends in /v1, ready for `AsyncOpenAI(base_url=...)`."""
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], host: str, port: int) -> None:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], host: str, port: int, app: ASGIApp) -> None:
         self._server, self._task = server, task
         self.port = port
         self.base_url = f"http://{host}:{port}/v1"
+        self._app, self._loop, self._address = app, task.get_loop(), (host, port)
+
+    def in_process_http_client(self, **kwargs: Any) -> Any:
+        """An httpx client for openai that calls this server's app without a socket (inprocess.py says why)."""
+        from .inprocess import in_process_http_client
+
+        return in_process_http_client(self._app, self._loop, self._address, **kwargs)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop accepting, let open requests finish (up to `timeout` s), then close. Idempotent."""
@@ -77,8 +84,9 @@ async def start_server(
     sock.bind((host, port))
     port = sock.getsockname()[1]
     # log_config=None: do not reconfigure the user's logging; lifespan off: the app has none.
+    bound = _bound_to(app, host)
     config = uvicorn.Config(
-        _bound_to(app, host), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+        bound, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
         # Keep-alive is set per connection by the protocol: long for clients that showed the key
         # (rollout clients sit idle on pooled connections while a step trains; closing them under
         # the clients would fail their next request), short for everyone else.
@@ -99,4 +107,4 @@ async def start_server(
             server.should_exit = True
             raise TimeoutError(f"the server did not start within {startup_timeout} s")
         await asyncio.sleep(0.01)
-    return RunningServer(server, task, host, port)
+    return RunningServer(server, task, host, port, bound)

@@ -118,21 +118,24 @@ class Registry:
 
 
 class Harness:
-    def __init__(self, engine: ScriptedEngine, registry: Registry, gate: InferenceGate, server: RunningServer):
+    def __init__(self, engine: ScriptedEngine, registry: Registry, gate: InferenceGate, server: RunningServer,
+                 transport: str = "http"):
         self.engine, self.registry, self.gate, self.server = engine, registry, gate, server
-        self.client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        # "inprocess": what model.openai_client() uses for a LocalBackend in this process (server/inprocess.py)
+        extra = {"http_client": server.in_process_http_client()} if transport == "inprocess" else {}
+        self.client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, **extra)
 
 
-async def _serve(tokenizer: Any, api_key: str | None = None) -> Harness:
+async def _serve(tokenizer: Any, api_key: str | None = None, transport: str = "http") -> Harness:
     engine = ScriptedEngine(tokenizer)
     registry, gate = Registry(engine), InferenceGate()
     server = await start_server(create_app(registry, gate, api_key=api_key))
-    return Harness(engine, registry, gate, server)
+    return Harness(engine, registry, gate, server, transport)
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="module")
-async def _shared(tokenizer: Any) -> AsyncIterator[Harness]:
-    harness = await _serve(tokenizer)
+@pytest_asyncio.fixture(loop_scope="session", scope="module", params=["http", "inprocess"])
+async def _shared(tokenizer: Any, request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    harness = await _serve(tokenizer, transport=request.param)
     yield harness
     await harness.client.close()
     await harness.server.stop()

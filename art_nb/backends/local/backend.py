@@ -119,6 +119,12 @@ class LocalBackend:
     def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint:
         return InferenceEndpoint(base_url=self._runtime.base_url, api_key=self._runtime.api_key)
 
+    def in_process_http_client(self, model: ModelRef) -> Any | None:
+        """For `model.openai_client()`: an httpx client that calls this backend's endpoint without a socket
+        (server/inprocess.py), or None before the server runs."""
+        server = self._runtime.server
+        return None if server is None else server.in_process_http_client()
+
     def inference_model_name(self, model: ModelRef, step: int | None = None) -> str:
         """`name@step`, the served step by default (as ART's LocalBackend names it); `name` is `project/name`
         when another project registered that name first. The base model is served under its own name."""
