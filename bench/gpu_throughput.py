@@ -13,10 +13,12 @@ Per start-up mode, two parts, each in its own process:
   `SamplingParams` per request (`logprobs=0`: the sampled token's logprob, as art_nb asks for);
 - `art_vllm`: `LocalBackend` (engine "vllm", trainer "peft": the trainer is only resident here), then
   three modes, alternated: `endpoint`, the call a user's rollout makes (B concurrent
-  `chat.completions.create` without `logprobs`: art_nb returns the token ids and their logprobs
-  anyway): THE HEADLINE; `endpoint_logprobs`, the same with `logprobs=True` (OpenAI's per-token
-  logprob objects as well); `engine_direct`, the same requests to `engine.generate` (no HTTP), to
-  split the endpoint's cost from the engine's.
+  `chat.completions.create` without `logprobs` through `model.openai_client()`, which calls the endpoint
+  in this process without a socket: art_nb returns the token ids and their logprobs anyway): THE
+  HEADLINE; `endpoint_logprobs`, the same with `logprobs=True` (OpenAI's per-token logprob objects as
+  well); `endpoint_http`, the headline call from a plain `AsyncOpenAI(base_url=...)` over loopback HTTP
+  (any other client; every client before the in-process one); `engine_direct`, the same requests to
+  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's.
 - `art_hf` (not run unless asked): the transformers engine's endpoint, for contrast.
 
 Every vLLM run also times each `step()` of the engine (the `step` attribute of the `LLMEngine` is
@@ -26,7 +28,7 @@ inside `step()`, a slower driver in the gaps, per-request cost before the first 
 
 Device seconds are scarce, so: each batch size is warmed up with a short run (16 tokens), the
 headline (`plain`, `endpoint`) gets `--repeats` runs and the diagnostics (`endpoint_logprobs`,
-`engine_direct`) `--side-repeats`; a part stops repeating (and says so: `cut_short`) when its next
+`endpoint_http`, `engine_direct`) `--side-repeats`; a part stops repeating (and says so: `cut_short`) when its next
 round would pass the run's deadline, and a part that cannot start in time is skipped with a message.
 Budget on an H200 (from bench/results/h200): eager ~4.2 min per mode, fast ~2.5 min.
 
@@ -78,7 +80,7 @@ from _common import (
 )
 
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
-ART_MODES = ("endpoint", "endpoint_logprobs", "engine_direct")  # the first is the headline
+ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct")  # the first is the headline
 HEADLINE_GOAL = 0.95  # endpoint / plain, issue 15
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
@@ -383,13 +385,18 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
     write(result)
     messages = rollout_prompts(max(args.batch_sizes))
     ids = [prompt_ids(engine.tokenizer, m) for m in messages]
-    client = model.openai_client()
+    client = model.openai_client()  # in-process (no socket) for a LocalBackend: what a rollout gets
+    import openai
 
-    async def via_endpoint(batch: int, logprobs: bool = False, tokens: int = args.tokens) -> Run:
+    over_http = openai.AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key,
+                                   timeout=600.0, max_retries=2)  # any other client: loopback HTTP
+
+    async def via_endpoint(batch: int, logprobs: bool = False, tokens: int = args.tokens, http: bool = False) -> Run:
         extra = {"logprobs": True} if logprobs else {}  # without: the call a user's rollout makes
+        caller = over_http if http else client
         mark = timer.begin()
         responses = await asyncio.gather(*(
-            client.chat.completions.create(model=model.name, messages=messages[i], max_tokens=tokens,
+            caller.chat.completions.create(model=model.name, messages=messages[i], max_tokens=tokens,
                                            temperature=1.0, seed=i, extra_body={"ignore_eos": True}, **extra)
             for i in range(batch)))
         seconds, steps = timer.end(mark)
@@ -409,6 +416,7 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
 
     modes: dict[str, Any] = {"endpoint": via_endpoint,
                              "endpoint_logprobs": lambda b: via_endpoint(b, logprobs=True),
+                             "endpoint_http": lambda b: via_endpoint(b, http=True),
                              "engine_direct": lambda b: backend.loop.run(direct(b))}
     sizes = args.batch_sizes if vllm else args.hf_batch_sizes
     result["batches"] = {}
