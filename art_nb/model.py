@@ -123,8 +123,7 @@ class Model(BaseModel):
             if "http_client" not in kwargs and os.environ.get("ART_NB_IN_PROCESS_CLIENT", "1") != "0":
                 # A backend serving in this process is called without a socket (server/inprocess.py: half
                 # the CPU per request); any other client still reaches it over HTTP at base_url.
-                make = getattr(self._backend, "in_process_http_client", None)
-                http_client = make(self) if make is not None else None
+                http_client = None if self._backend is None else self._backend.in_process_http_client(self)
                 if http_client is not None:
                     kwargs["http_client"] = http_client
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)

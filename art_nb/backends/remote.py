@@ -173,6 +173,10 @@ class RemoteBackend:
         """What the server chose automatically for `model` (engine, trainer, resume...) and why."""
         return dict(self._choices.get(model.name, {}))
 
+    def in_process_http_client(self, model: ModelRef) -> None:
+        """None: this backend's endpoint is not in this process; clients reach it over HTTP."""
+        return None
+
     def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint:
         return InferenceEndpoint(base_url=f"{self.base_url}/v1",
                                  api_key=self._key.reveal() if self._key is not None else "none")

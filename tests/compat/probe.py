@@ -56,6 +56,9 @@ class StubBackend:
     def choices(self, model: Any) -> dict[str, str]:
         return {}
 
+    def in_process_http_client(self, model: Any) -> None:  # the protocol's: no in-process endpoint here
+        return None
+
     def inference_endpoint(self, model: Any) -> Any:
         from art_nb.types import InferenceEndpoint
 

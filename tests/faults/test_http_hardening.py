@@ -104,6 +104,9 @@ class Backend:
         self.deleted.append((steps, keep_last))
         return []
 
+    def in_process_http_client(self, model: Any) -> None:  # the protocol's: no in-process endpoint here
+        return None
+
     def inference_endpoint(self, model: Any) -> Any:
         raise NotImplementedError
 

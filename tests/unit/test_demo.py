@@ -29,6 +29,9 @@ class _ChattyBackend:
     def choices(self, model):
         return dict(CHOICES)
 
+    def in_process_http_client(self, model: object) -> None:  # the protocol's: no in-process endpoint here
+        return None
+
     def inference_endpoint(self, model):  # the Backend protocol's; register fills the model's fields from it
         from art_nb.types import InferenceEndpoint
 

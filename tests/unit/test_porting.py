@@ -95,6 +95,9 @@ class StubBackend:
     async def register(self, model: Any) -> None:
         self.calls.append(("register", model.name))
 
+    def in_process_http_client(self, model: Any) -> None:  # the protocol's: no in-process endpoint here
+        return None
+
     def inference_endpoint(self, model: Any) -> InferenceEndpoint:
         return InferenceEndpoint(base_url="http://127.0.0.1:9/v1", api_key="sk-local-secret")
 

@@ -240,6 +240,9 @@ class InstantBackend:
             targets = existing[1:]  # pretend step 0 was best
         return [s for s in targets if s != self.steps[model.name]]
 
+    def in_process_http_client(self, model: object) -> None:  # the protocol's: no in-process endpoint here
+        return None
+
     def inference_endpoint(self, model):
         raise NotImplementedError("the serve app never asks")
 

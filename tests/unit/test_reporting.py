@@ -252,6 +252,9 @@ class RegisteringBackend(FakeBackend):
     async def register(self, model) -> None:
         pass
 
+    def in_process_http_client(self, model: object) -> None:  # the protocol's: no in-process endpoint here
+        return None
+
     def inference_endpoint(self, model):
         from art_nb.types import InferenceEndpoint
 

@@ -140,6 +140,10 @@ class ServerlessBackend:
         """Nothing is chosen on this machine: the service picks its engine and trainer."""
         return {}
 
+    def in_process_http_client(self, model: ModelRef) -> None:
+        """None: this backend's endpoint is not in this process; clients reach it over HTTP."""
+        return None
+
     def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint:
         return InferenceEndpoint(base_url=self.base_url, api_key=self._key.reveal())
 
