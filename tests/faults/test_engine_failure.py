@@ -55,7 +55,27 @@ async def test_a_dead_engine_fails_requests_at_once_and_reregistering_recovers(s
     await expect_503(model, "re-register", within=2)  # and keeps failing fast, never hanging
     assert dead.dead_reason is not None
 
-    await model.register(backend)  # what a re-run of the register cell does
+    # The replacement plans from the memory snapshot its predecessor was planned from at register (a vLLM
+    # engine's: read afterwards, the resident trainer would be counted twice). Here: the wiring, with a marker.
+    from art_nb.backends.local import runtime as runtime_module
+    from art_nb.engines import vllm_plan
+
+    key = next(k for k, e in backend._runtime.engines.items() if e is dead)
+    marker = (1, 2, 3, "register-time snapshot")
+    backend._runtime.snapshots[key] = marker
+    seen = []
+    create = runtime_module._create_engine
+
+    async def recording(*args):
+        seen.append(vllm_plan._SNAPSHOT.get())
+        return await create(*args)
+
+    runtime_module._create_engine = recording
+    try:
+        await model.register(backend)  # what a re-run of the register cell does
+    finally:
+        runtime_module._create_engine = create
+    assert seen == [marker]
     assert state.engine is not dead and state.engine.dead_reason is None
     assert "engine_restart" in backend.choices(model)
     trajectory = await rollout(model, 2)

@@ -19,6 +19,7 @@ from .phases import PhaseClock
 
 if TYPE_CHECKING:
     from ...engines.base import Engine
+    from ...engines.vllm_plan import MemorySnapshot
     from ...plan import Plan
     from ...trainers.base import Trainer
 
@@ -30,8 +31,11 @@ _T = TypeVar("_T")
 
 async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, engine: Engine | None,
                 create_engine: Callable[[Plan, Path, ModelConfig], Awaitable[Engine]],
-                create_trainer: Callable[[Plan, Path, ModelConfig], Trainer]) -> tuple[Engine, Trainer]:
+                create_trainer: Callable[[Plan, Path, ModelConfig], Trainer]
+                ) -> tuple[Engine, Trainer, MemorySnapshot | None]:
     """The trainer, and the engine unless one serves this base model already: what may overlap does.
+    Also the memory snapshot a new vLLM engine was planned from (None otherwise), which a replacement
+    for it must plan from too (Runtime._replace_engine).
 
     The order, and why no more of it overlaps:
     1. Unsloth is imported first (it asks to be imported before transformers, which vLLM and the
@@ -75,7 +79,7 @@ async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, 
             with planned_memory(snapshot):
                 engine = await create_engine(plan, path, config)
         clock.end(engine_phase)
-        return engine, trainer
+        return engine, trainer, snapshot
     except BaseException:
         if not prepare.done():  # a thread runs to its end: wait for it, keep the first error
             with contextlib.suppress(BaseException):

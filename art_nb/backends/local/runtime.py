@@ -25,6 +25,7 @@ from ...trajectory import Trajectory, TrajectoryGroup
 from ...types import ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 from ...web import is_loopback
 from . import step as train_step
+from ...engines.vllm_plan import MemorySnapshot, planned_memory
 from .build import build
 from .commit import settle
 from .loop import BackgroundLoop
@@ -73,6 +74,8 @@ class Runtime:
         self._registering: dict[tuple[str, str], asyncio.Lock] = {}
         self.engines: dict[tuple[str, str], Engine] = {}  # (base model path, engine kind)
         self.server: RunningServer | None = None
+        # (base model path, engine kind) -> the memory snapshot its vLLM engine was planned from (build.py)
+        self.snapshots: dict[tuple[str, str], MemorySnapshot] = {}
         self.gate: InferenceGate | None = None
         self.base_url = ""
 
@@ -199,7 +202,10 @@ class Runtime:
             key = next(k for k, engine in self.engines.items() if engine is dead)
             with contextlib.suppress(Exception):
                 await dead.close()
-            engine = await _create_engine(state.plan, Path(key[0]), state.config)
+            # Planned from the memory as it was before the trainers loaded, as at register: read now, the
+            # resident trainer would be counted twice (the plan budgets it too).
+            with planned_memory(self.snapshots.get(key)):
+                engine = await _create_engine(state.plan, Path(key[0]), state.config)
             self.engines[key] = engine
             for other in self.models.values():
                 if other.engine is dead:
@@ -224,9 +230,11 @@ class Runtime:
             for key, why in choices.items():
                 _log.info("%s: %s", key, why)
             engine_key = (str(resolved.path), plan.engine)
-            engine, trainer = await build(plan, resolved.path, model.backend_config, clock, self.engines.get(engine_key),
-                                          _create_engine, _create_trainer)
+            engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
+                                                    self.engines.get(engine_key), _create_engine, _create_trainer)
             self.engines[engine_key] = engine
+            if snapshot is not None:
+                self.snapshots[engine_key] = snapshot
         except BaseException:
             store.release_writer()
             raise
