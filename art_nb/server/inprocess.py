@@ -121,8 +121,11 @@ class _Call:
     def _put(self, item: tuple[str, Any]) -> None:
         if self._server_loop is self._caller:
             self._queue.put_nowait(item)
-        else:
-            self._caller.call_soon_threadsafe(self._queue.put_nowait, item)
+        elif not self._caller.is_closed():  # a caller whose loop has ended reads nothing more
+            try:
+                self._caller.call_soon_threadsafe(self._queue.put_nowait, item)
+            except RuntimeError:  # closed between the check and the call
+                pass
 
     async def _serve(self, app: ASGIApp, scope: dict[str, Any], body: bytes) -> None:
         self._left = asyncio.Event()
