@@ -69,10 +69,11 @@ def engine_factory(log: list[str], fail: bool = False):
 def test_the_trainer_builds_while_vllm_imports_and_vllm_builds_after(events):
     clock = PhaseClock()
     began = time.perf_counter()
-    engine, trainer = asyncio.run(build(PLAN, Path("m"), ModelConfig(), clock, None,
-                                        engine_factory(events), slow_trainer(events)))
+    engine, trainer, snapshot = asyncio.run(build(PLAN, Path("m"), ModelConfig(), clock, None,
+                                                  engine_factory(events), slow_trainer(events)))
     wall = time.perf_counter() - began
     assert isinstance(engine, FakeEngine) and isinstance(trainer, FakeTrainer)
+    assert snapshot is None  # only a new vLLM engine on CUDA is planned from a snapshot
     assert wall < 2 * STEP  # the import and the trainer overlapped (their sum is 2 x STEP)
     assert set(events[:2]) == {"import vllm", "trainer"}
     assert events[-1] == "engine" and events.index("engine") > events.index("trainer built")  # never at once
@@ -89,8 +90,9 @@ def test_unsloth_is_imported_before_anything_else(events):
 
 def test_a_running_engine_is_reused_and_nothing_is_imported(events):
     running = FakeEngine()
-    engine, _ = asyncio.run(build(PLAN, Path("m"), ModelConfig(), PhaseClock(), running, engine_factory(events),
-                                  slow_trainer(events)))
+    engine, _, snapshot = asyncio.run(build(PLAN, Path("m"), ModelConfig(), PhaseClock(), running,
+                                            engine_factory(events), slow_trainer(events)))
+    assert snapshot is None
     assert engine is running and "engine" not in events and "import vllm" not in events
 
 
@@ -151,5 +153,7 @@ def test_the_engine_is_planned_from_memory_read_before_the_trainer(events, monke
         seen.append(vllm_plan._plannable_memory(None))
         return FakeEngine()
 
-    asyncio.run(build(plan, Path("m"), ModelConfig(), PhaseClock(), None, create_engine, create_trainer))
+    _, _, snapshot = asyncio.run(build(plan, Path("m"), ModelConfig(), PhaseClock(), None, create_engine,
+                                       create_trainer))
     assert seen == [(80, 141, 141, None)]
+    assert snapshot == (80, 141, 141, None)  # kept for an engine that replaces this one (Runtime._replace_engine)
