@@ -18,9 +18,6 @@ and exits non-zero when a check fails. On the real SmolLM2 (tests/gpu/conftest.p
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import statistics
 import sys
 import time
@@ -153,20 +150,6 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "."))
-    if len(sys.argv) > 2:
-        model = Path(sys.argv[2])
-    else:
-        from tests.gpu.conftest import real_model_dir
+    from tests.gpu.conftest import run_check
 
-        found = real_model_dir()
-        if found is None:
-            sys.exit("no real weights: pass MODEL_DIR or stage the SmolLM2 GGUF (see tests/gpu/conftest.py)")
-        model = found
-    started = time.perf_counter()
-    report = asyncio.run(main(out_dir, model))
-    report["total_s"] = round(time.perf_counter() - started, 1)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "vllm_4bit.json").write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps(report, indent=1, default=str))
-    sys.exit(0 if all(report["checks"].values()) else 1)
+    run_check(main, "vllm_4bit.json")

@@ -50,6 +50,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def run_check(main: Any, report_name: str) -> None:
+    """The command line of the tests/gpu/check_*.py scripts: `script.py OUT [MODEL_DIR]` runs `main(out, model)`
+    (async, returns a report with a "checks" dict), writes OUT/`report_name` and exits 1 when a check failed."""
+    import asyncio
+    import sys
+
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "."))
+    model = Path(sys.argv[2]) if len(sys.argv) > 2 else real_model_dir()
+    if model is None:
+        sys.exit("no real weights: pass MODEL_DIR or stage the SmolLM2 GGUF (see tests/gpu/conftest.py)")
+    started = time.perf_counter()
+    report = asyncio.run(main(out_dir, model))
+    report["total_s"] = round(time.perf_counter() - started, 1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / report_name).write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(report, indent=1, default=str))
+    sys.exit(0 if all(report["checks"].values()) else 1)
+
+
 def real_model_dir() -> Path | None:
     """A transformers folder with the real SmolLM2-135M-Instruct weights, or None when none is at hand."""
     named = os.environ.get("ART_NB_GPU_MODEL")
