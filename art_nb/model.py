@@ -121,7 +121,7 @@ class Model(BaseModel):
             # Requests wait (never fail) while a step trains; retries only cover a dropped connection.
             kwargs.setdefault("max_retries", 2)
             if "http_client" not in kwargs and os.environ.get("ART_NB_IN_PROCESS_CLIENT", "1") != "0":
-                # A backend serving in this process is called without a socket (server/inprocess.py: half
+                # A backend serving in this process is called without a socket (server/inprocess.py: a third of
                 # the CPU per request); any other client still reaches it over HTTP at base_url.
                 http_client = None if self._backend is None else self._backend.in_process_http_client(self)
                 if http_client is not None:

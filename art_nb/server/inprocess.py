@@ -2,8 +2,9 @@
 
 Why: a rollout's request and its response cross the same process twice over HTTP (client and server
 share the notebook's CPU and its GIL with vLLM's thread). Measured on this project's 2-core box
-(`bench/endpoint_per_request.py --transport both`), the socket, the two HTTP/1.1 parsers and
-httpx's connection pool took half of each request's CPU: going to the app directly halves it.
+(`bench/endpoint_per_request.py --transport http`, then `inprocess`), the socket, the two HTTP/1.1
+parsers and httpx's connection pool took a third of the CPU a plain request costs the process
+(17-42% by call and concurrency): going to the app directly saves that.
 
 What stays the same: the request is the OpenAI client's own (its body, headers and bearer key), the
 app is the one the server runs (same checks, same gate; the Host header is the server's address),
@@ -142,30 +143,34 @@ class _Call:
             await self._left.wait()
             return {"type": "http.disconnect"}
 
+        ended = False
+
         async def send(message: Message) -> None:
+            nonlocal ended
             if message["type"] == "http.response.start":
                 self._put(("start", (message["status"], message.get("headers", []))))
-            elif message["type"] == "http.response.body":
-                self._put(("part", message.get("body", b"")))
-                if not message.get("more_body", False):
-                    self._put(("end", None))
+            elif message["type"] == "http.response.body" and not ended:
+                # Each message is a hop to the caller's loop: the last part carries the end with it.
+                ended = not message.get("more_body", False)
+                self._put(("last" if ended else "part", message.get("body", b"")))
 
         try:
             await app(scope, receive, send)
         except BaseException as exc:  # reaches the caller as a failed response, not a hung one
-            self._put(("error", exc))
+            if not ended:
+                ended = True
+                self._put(("error", exc))
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._put(("end", None))
+            if not ended:  # an app that returned without finishing its response
+                self._put(("error", RuntimeError("the endpoint ended without finishing its response")))
 
     async def started(self, timeout: float | None) -> tuple[Any, Any]:
         kind, value = await asyncio.wait_for(self._queue.get(), timeout)
         if kind == "start":
             return value
-        if kind == "error":
-            return value, None
-        return RuntimeError("the endpoint ended without a response"), None
+        return value, None  # "error": the app failed before it started a response
 
     async def body(self, timeout: float | None, httpx: Any, request: Any) -> AsyncIterator[bytes]:
         while True:
@@ -174,12 +179,11 @@ class _Call:
             except asyncio.TimeoutError:
                 self.leave()
                 raise httpx.ReadTimeout("the in-process endpoint stopped sending", request=request) from None
-            if kind == "part":
-                if value:
-                    yield value
-            elif kind == "error":
+            if kind in ("part", "last") and value:
+                yield value
+            if kind == "error":
                 raise httpx.RemoteProtocolError(f"the endpoint failed mid-response: {value!r}", request=request)
-            else:
+            if kind != "part":
                 return
 
     def leave(self) -> None:
