@@ -32,7 +32,7 @@ from ..memory import (
 from .base import EngineError
 from .startup import startup_kwargs, startup_mode
 
-__all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory", "vllm_has_bitsandbytes"]
+__all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory", "bitsandbytes_missing"]
 
 _log = logging.getLogger("art_nb")
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
@@ -123,15 +123,22 @@ def _default_dtype(config: ModelConfig, on_cuda: bool) -> tuple[str, str]:
     return compute_dtype(config.dtype, "cuda" if on_cuda else "cpu", cuda_capability() if on_cuda else None)
 
 
-def vllm_has_bitsandbytes() -> bool:
-    """Whether the installed vLLM can quantise to NF4 as it loads (vLLM 0.25 can; 0.32 dropped the method)."""
-    if not _has_module("bitsandbytes"):
-        return False
+def bitsandbytes_missing() -> str | None:
+    """Why the installed vLLM cannot quantise to NF4 as it loads, or None when it can (vLLM 0.25 can;
+    0.32 dropped the method)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed"
     try:
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     except ImportError:
-        return False
-    return "bitsandbytes" in QUANTIZATION_METHODS
+        return "vLLM is not installed"
+    if "bitsandbytes" not in QUANTIZATION_METHODS:
+        from ..versions import installed_version
+
+        return f"vLLM {installed_version('vllm')} has no bitsandbytes quantisation (0.25 has it; 0.32 dropped it)"
+    return None
 
 
 def _serve_4bit(config: ModelConfig, on_cuda: bool) -> tuple[bool, str | None]:
@@ -149,23 +156,14 @@ def _serve_4bit(config: ModelConfig, on_cuda: bool) -> tuple[bool, str | None]:
         if config.vllm_4bit:
             raise EngineError("ModelConfig.vllm_4bit=True needs a CUDA GPU (bitsandbytes quantises on CUDA only)")
         return False, None
-    if not vllm_has_bitsandbytes():
-        from ..versions import installed_version
-
-        missing = ("bitsandbytes is not installed" if not _has_module("bitsandbytes") else
-                   f"vLLM {installed_version('vllm')} has no bitsandbytes quantisation (0.25 has it; 0.32 dropped it)")
+    missing = bitsandbytes_missing()
+    if missing is not None:
         if config.vllm_4bit:
             raise EngineError(f"ModelConfig.vllm_4bit=True, but {missing}; set vllm_4bit=None or False")
         return False, f"weights unquantised ({source} asked for 4-bit serving, but {missing})"
     return True, (f"weights 4-bit NF4 (bitsandbytes, {source}): "
                   + ("the weights the trainer trains, " if config.load_in_4bit else "")
                   + "about a third of the memory, slower decoding")
-
-
-def _has_module(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def _max_model_len(model_path: Path, config: ModelConfig) -> tuple[int, str | None]:

@@ -85,7 +85,7 @@ def test_no_engine_module_imports_the_trainers():
 def test_a_4bit_trainer_gets_a_4bit_sampler_where_vllm_can_quantise(tmp_path, monkeypatch, has_bnb):
     from art_nb.engines import vllm_plan
 
-    monkeypatch.setattr(vllm_plan, "vllm_has_bitsandbytes", lambda: has_bnb)
+    monkeypatch.setattr(vllm_plan, "bitsandbytes_missing", lambda: None if has_bnb else "bitsandbytes is not installed")
     model = fake_model_dir(tmp_path / "m")
     four_bit = engine_args(model, ModelConfig(load_in_4bit=True), True, True, H200, dtype="bfloat16")
     plain = engine_args(model, ModelConfig(), True, True, H200, dtype="bfloat16")

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...config import ModelConfig, TrainConfig
+from ...engines.vllm_plan import MemorySnapshot, planned_memory
 from ...records import as_groups, best_step, record_groups, unrecorded
 from ...store import CheckpointError, ModelStore
 from ...trajectory import Trajectory, TrajectoryGroup
 from ...types import ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 from ...web import is_loopback
 from . import step as train_step
-from ...engines.vllm_plan import MemorySnapshot, planned_memory
 from .build import build
 from .commit import settle
 from .loop import BackgroundLoop
