@@ -43,8 +43,9 @@ _VLLM_BASE_OVERHEAD = GiB
 _VLLM_CUDA_GRAPHS = GiB // 2
 # What vLLM's process grows by *beyond* its share while serving long rollouts: gpu_memory_utilization
 # sizes the KV cache at start-up, but blocks the caching allocator takes later are not in it. Measured
-# at 3B under a 15 GiB cap (bench/results/h200/gpu_memory_fit*.json): +2.0 GiB used from register to the
-# end of 64 rollouts of ~3900 tokens (+2.4 GiB in an earlier run). Planned beside the share, not in it.
+# at 3B under a 15 GiB cap (bench/results/h200/gpu_memory_fit*.json), register to the end of 64 rollouts
+# of ~3900 tokens: +1.96 GiB with NF4 weights (bitsandbytes dequantises into temporary buffers), +0.64
+# GiB with bf16 weights and CUDA graphs, +2.0-2.4 GiB in earlier eager runs. Planned beside the share.
 _VLLM_SERVING_GROWTH = int(2.4 * GiB)
 _KV_FLOOR_SEQUENCES = 8
 VLLM_STEP_TOKENS = 8192  # tokens of one scheduler step, what vLLM's profiling run uses
@@ -294,8 +295,8 @@ def headroom(used: int, total: int, capped: bool, vllm: bool) -> str:
     where = "this process's cap" if capped else "the GPU"
     line = f"{_gib(used)} used of {_gib(total)} ({where}) after register: {_gib(max(total - used, 0))} headroom"
     if vllm:
-        line += (f"; serving long rollouts takes up to ~{_gib(_VLLM_SERVING_GROWTH)} more (planned), "
-                 "a train step the training peak the plan names above")
+        line += (f"; serving long rollouts takes up to ~{_gib(_VLLM_SERVING_GROWTH)} more (planned), and a "
+                 "train step its training peak (the memory reasons above)")
     return line
 
 
