@@ -151,6 +151,25 @@ def gpu_memory() -> dict[str, float]:
     }
 
 
+def cap_like_a_gpu(cap_gib: float) -> dict[str, Any]:
+    """Cap PyTorch as on a `cap_gib` GPU; art_nb's memory plan reads the cap back and plans within it.
+
+    On a real GPU of that size the CUDA context already takes part of it before anything is
+    allocated (torch.cuda.mem_get_info's free memory says so); here the device is bigger, so PyTorch's
+    cap is `cap` less what this process holds outside PyTorch at the start (its context: nothing else
+    runs on the GPU machine). Peaks are then read device-wide, context included, against `cap`.
+    """
+    import torch
+
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    cap, outside = int(cap_gib * GiB), total - free - torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction(min((cap - outside) / total, 1.0))
+    return {"cap_gib": cap_gib, "device_total_gib": round(total / GiB, 1),
+            "used_before_gib": round((total - free) / GiB, 2), "outside_torch_at_start_gib": round(outside / GiB, 2),
+            "torch_cap_gib": round((cap - outside) / GiB, 2), "torch_fraction": round((cap - outside) / total, 4)}
+
+
 class GpuUsedPeak:
     """Polls device-wide used memory (total - free, as nvidia-smi) on a thread while a block runs.
 

@@ -46,6 +46,7 @@ from _common import (
     GiB,
     GpuUsedPeak,
     Results,
+    cap_like_a_gpu,
     default_out_dir,
     gpu_memory,
     model_section,
@@ -93,25 +94,6 @@ def cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def cap_share(args: argparse.Namespace) -> dict[str, Any]:
-    """Cap PyTorch as on a `cap`-byte GPU; art_nb's memory plan reads the cap back and plans within it.
-
-    On a real GPU of that size the CUDA context already takes part of it before anything is
-    allocated (torch.cuda.mem_get_info's free memory says so); here the device is bigger, so PyTorch's
-    cap is `cap` less what this process holds outside PyTorch at the start (its context: nothing else
-    runs on the GPU machine). The peak is then read device-wide, context included, against `cap`.
-    """
-    import torch
-
-    torch.cuda.init()
-    free, total = torch.cuda.mem_get_info()
-    cap, outside = int(args.cap_gib * GiB), total - free - torch.cuda.memory_reserved()
-    torch.cuda.set_per_process_memory_fraction(min((cap - outside) / total, 1.0))
-    return {"cap_gib": args.cap_gib, "device_total_gib": round(total / GiB, 1),
-            "used_before_gib": round((total - free) / GiB, 2), "outside_torch_at_start_gib": round(outside / GiB, 2),
-            "torch_cap_gib": round((cap - outside) / GiB, 2), "torch_fraction": round((cap - outside) / total, 4)}
-
-
 async def rollout_2048(model: Any, seed: int, max_seq_len: int, turn_tokens: int) -> Any:
     """A 2048 conversation of fixed-length turns that stops when the next turn would not fit."""
     import art_nb as art
@@ -141,7 +123,7 @@ async def run(args: argparse.Namespace, results: Results, model_dir: Path) -> No
     on_gpu = cuda()
     if on_gpu:
         with results.section("cap") as entry:
-            entry.update(cap_share(args))
+            entry.update(cap_like_a_gpu(args.cap_gib))
             entry["summary"] = f"torch capped at {args.cap_gib} GiB; art_nb plans vLLM's share within the cap"
     config = art.ModelConfig(engine="vllm", trainer="unsloth" if on_gpu else "peft", load_in_4bit=on_gpu,
                              max_seq_len=args.max_seq_len, lora=art.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA),

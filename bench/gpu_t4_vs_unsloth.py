@@ -11,9 +11,12 @@ Same GPU, same cap, same model, same work per step, in one run, each side in its
   x num_generations=8 per step, max_completion_length 200; its warmup and max_prompt_length 256 left out:
   the first does not change a step's time, the second is not in TRL 1.15) and vLLM standby
   (UNSLOTH_VLLM_STANDBY=1: vLLM sleeps while the step trains).
-- `art`: art_nb's T4 configuration (what the notebooks pick on an sm75 GPU: the transformers engine,
-  fp16, the Unsloth trainer) with the 4-bit base and Unsloth's rank (64, alpha 64): one group of 8
-  rollouts of 200 tokens per step through the OpenAI endpoint, `model.train`.
+- `art`: art_nb's T4 configuration (fp16, the Unsloth trainer, the 4-bit base) with Unsloth's rank
+  (64, alpha 64): one group of 8 rollouts of 200 tokens per step through the OpenAI endpoint,
+  `model.train`. Its engine (`--art-engine`): `vllm` (default) is what the notebooks pick on a T4 with
+  the T4 set installed (vLLM 0.11.2, the release Unsloth's notebooks install on a T4); on the H200 it is
+  the staged vLLM 0.25, as for Unsloth's side, serving NF4 weights beside the 4-bit trainer and planning
+  its share within the cap. `hf` is the transformers engine (a T4 without vLLM).
 
 Equal work: the same prompt per step (tic-tac-toe first turns), 8 completions of exactly 200 tokens
 (`ignore_eos` on both sides; the TRL log's completion lengths are kept to show it), random rewards
@@ -57,12 +60,15 @@ from _common import (
     GiB,
     GpuUsedPeak,
     Results,
+    cap_like_a_gpu,
     default_out_dir,
     gpu_memory,
     measure_part,
     model_section,
     rollout_prompts,
     run_part,
+    startup_env,
+    startup_fields,
     stats,
     weights_note,
 )
@@ -87,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None, help="completion tokens (fixed; the recipe's 200)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--art-engine", choices=("vllm", "hf"), default="vllm",
+                        help="art_nb's engine: vLLM (a T4 with the T4 set) or transformers (a T4 without vLLM)")
     parser.add_argument("--deadline-s", type=float, default=420, help="end within this long (sides cut short)")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--stop-by", type=float, default=math.inf, help=argparse.SUPPRESS)  # a time.time()
@@ -275,16 +283,19 @@ def prompt_dataset(prompts: list[Any]) -> Any:
 async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     on_gpu = cuda()
     result: dict[str, Any] = {}
-    if on_gpu:
-        result["cap"] = cap_this_process(args.cap_gib)
+    if on_gpu:  # the context counts against the cap, as on a real 15 GiB GPU (Unsloth's side sees the same)
+        result["cap"] = cap_like_a_gpu(args.cap_gib)
     peak = GpuUsedPeak().__enter__() if on_gpu else None
     import art_nb as art
 
-    config = art.ModelConfig(engine="hf", trainer="unsloth" if on_gpu else "peft", dtype="float16" if on_gpu else "auto",
+    engine = args.art_engine if on_gpu else "hf"
+    if engine == "vllm":
+        os.environ.update(startup_env("fast"))
+    config = art.ModelConfig(engine=engine, trainer="unsloth" if on_gpu else "peft", dtype="float16" if on_gpu else "auto",
                              load_in_4bit=on_gpu, max_seq_len=args.max_seq_len,
                              lora=art.LoraConfig(rank=args.rank, alpha=float(args.rank),
                                                  target_modules=tuple(RECIPE["target_modules"])),
-                             max_batch_size=args.generations)
+                             max_batch_size=args.generations, **(startup_fields("fast") if engine == "vllm" else {}))
     result["config"] = config.model_dump(mode="json")
     model = art.TrainableModel(name="t4", project="bench", base_model=str(args.model), config=config)
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
@@ -373,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                       settings={"cap_gib": args.cap_gib, "steps": args.steps, "completion_tokens": args.tokens,
                                 "generations": args.generations, "lora_rank": args.rank, "quick": args.quick,
                                 "max_seq_len": args.max_seq_len, "dtype": "float16", "base": "4-bit (NF4)",
+                                "art_engine": args.art_engine,
                                 "not_a_t4": "an H200 under a 15 GiB cap: same memory, far more bandwidth and compute"})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
@@ -388,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
             share = PART_BUDGET_S[part] / sum(PART_BUDGET_S[p] for p in parts[parts.index(part):])
             own_stop = time.time() + left * share if not args.quick else stop_by
             argv = ["--out", str(args.out), "--model", str(model_dir), "--cap-gib", str(args.cap_gib), "--steps",
-                    str(args.steps), "--tokens", str(args.tokens), "--stop-by", str(own_stop - 10)]
+                    str(args.steps), "--tokens", str(args.tokens), "--stop-by", str(own_stop - 10),
+                    "--art-engine", args.art_engine]
             entry.update(run_part(Path(__file__), part, argv + (["--quick"] if args.quick else []), args.out,
                                   timeout_s=1800 if args.quick else max(own_stop - time.time() + 30, 60)))
             if "error" in entry:
