@@ -12,12 +12,12 @@ emulates bf16 there, slowly.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .config import ModelConfig
 
-__all__ = ["Plan", "compute_dtype", "cuda_capability", "plan_for"]
+__all__ = ["Plan", "compute_dtype", "cuda_capability", "engine_fallback", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,26 @@ def _engine(config: ModelConfig, capability: tuple[int, int] | None) -> tuple[st
     from .versions import gpu_path_for, installed_version
 
     return gpu_path_for(capability, installed_version("vllm"))
+
+
+def engine_fallback(plan: Plan, config: ModelConfig, error: BaseException) -> Plan | None:
+    """The plan with the transformers engine, where vLLM failed to start on a GPU older than sm80 and
+    the engine was art_nb's choice; None where the error must stand.
+
+    On a T4 the T4 set installs vLLM 0.11.2 (the release Unsloth's notebooks install there), which
+    art_nb has run on vLLM's CPU build but not on a Turing GPU: if it fails there, the notebook goes
+    on with the engine that ran in the T4 configuration rather than stopping at register. On sm80+
+    a vLLM failure is a fault to see, and an engine the user chose is theirs.
+    """
+    if plan.engine != "vllm" or config.engine != "auto" or not isinstance(error, Exception):
+        return None
+    if plan.capability is None or plan.capability >= (8, 0):
+        return None
+    major, minor = plan.capability
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    why = (f"transformers: vLLM failed to start on this sm{major}{minor} GPU ({type(error).__name__}: {first_line}); "
+           "set ModelConfig(engine='vllm') to see the whole error instead")
+    return replace(plan, engine="hf", reasons={**plan.reasons, "engine": why})
 
 
 def _trainer(config: ModelConfig, device: str) -> tuple[str, str]:

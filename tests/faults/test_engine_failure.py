@@ -120,3 +120,39 @@ async def test_a_hung_engine_fails_requests_within_the_stall_timeout(served) -> 
     finally:
         release.set()  # let the stuck thread go
 
+
+
+async def test_vllm_failing_on_a_t4_falls_back_to_the_transformers_engine_at_register(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """The T4 set brings vLLM 0.11.2, never run by art_nb on a Turing GPU: if it fails to start there, register
+    goes on with the transformers engine and says why (here: a plan as on a T4, on this CPU; vLLM's start fails)."""
+    from dataclasses import replace
+
+    from art_nb import plan as plan_module
+    from art_nb.backends.local import runtime as runtime_module
+
+    plan_for = plan_module.plan_for
+    monkeypatch.setattr(plan_module, "plan_for", lambda config: replace(
+        plan_for(config), engine="vllm", capability=(7, 5), reasons={**plan_for(config).reasons, "engine": "vLLM 0.11.2"}))
+    create, tried = runtime_module._create_engine, []
+
+    async def vllm_fails(plan, path, config):
+        tried.append(plan.engine)
+        if plan.engine == "vllm":
+            raise RuntimeError("simulated: no attention backend for sm75")
+        return await create(plan, path, config)
+
+    monkeypatch.setattr(runtime_module, "_create_engine", vllm_fails)
+    monkeypatch.setattr("art_nb.engines.startup.import_vllm", lambda: None)  # not installed here: fail at the start
+    backend = art.LocalBackend(path=tmp_path)
+    model = tiny_trainable("t4-fallback", tiny_model_dir, engine="auto")
+    try:
+        await model.register(backend)
+        assert tried == ["vllm", "hf"]
+        why = backend.choices(model)["engine"]
+        assert why.startswith("transformers: vLLM failed to start on this sm75 GPU") and "no attention backend" in why
+        assert backend._state(model).plan.engine == "hf"
+        assert (await model.train(await gather_groups(model))).step == 1  # serves and trains as the T4 configuration
+        assert (await rollout(model, 3)).choices()[0].model_extra["token_ids"]
+    finally:
+        await backend.close()

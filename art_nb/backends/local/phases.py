@@ -104,6 +104,8 @@ def phase_bar(phases: int) -> tuple[PhaseCallback, Callable[[], None]]:
     def on_phase(name: str) -> None:
         with lock:
             if seen[0]:
+                if bar.n + 1 >= bar.total:  # a phase more than planned (vLLM failed, the fallback builds): room for it
+                    bar.total += 1
                 bar.update(1)
             seen[0] += 1
             bar.set_postfix_str(name)

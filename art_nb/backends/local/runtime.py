@@ -218,7 +218,7 @@ class Runtime:
 
     async def _load(self, model: TrainableModelRef, clock: PhaseClock) -> ModelState:
         from ...models import resolve_base_model
-        from ...plan import plan_for
+        from ...plan import engine_fallback, plan_for
 
         store = ModelStore(self.path, model.project, model.name)
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
@@ -229,9 +229,20 @@ class Runtime:
             choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
             for key, why in choices.items():
                 _log.info("%s: %s", key, why)
+            try:
+                engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
+                                                        self.engines.get((str(resolved.path), plan.engine)),
+                                                        _create_engine, _create_trainer)
+            except Exception as exc:
+                fallback = engine_fallback(plan, model.backend_config, exc)
+                if fallback is None:
+                    raise
+                _log.warning("engine: %s", fallback.reasons["engine"])
+                plan, choices["engine"] = fallback, fallback.reasons["engine"]
+                engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
+                                                        self.engines.get((str(resolved.path), plan.engine)),
+                                                        _create_engine, _create_trainer)
             engine_key = (str(resolved.path), plan.engine)
-            engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
-                                                    self.engines.get(engine_key), _create_engine, _create_trainer)
             self.engines[engine_key] = engine
             if snapshot is not None:
                 self.snapshots[engine_key] = snapshot
