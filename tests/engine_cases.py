@@ -83,6 +83,23 @@ async def generates_token_ids_and_finite_logprobs(subject: Subject) -> None:
         assert sample.finish_reason in ("stop", "length"), sample.finish_reason
 
 
+async def reports_top_logprobs(subject: Subject) -> None:
+    """top_logprobs=k: per token, the k most likely tokens, most likely first, under the distribution the
+    sampled token's logprob comes from (greedy: the sampled token is the first, with the same logprob)."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, top_logprobs=3)
+    [sample] = await subject.engine.generate(GenerationRequest(subject.prompt, params))
+    top = sample.top_logprobs
+    assert top is not None and len(top) == len(sample.token_ids), f"one list per token expected, got {top!r}"
+    for token, logprob, alternatives in zip(sample.token_ids, sample.logprobs, top, strict=True):
+        assert len(alternatives) == 3, alternatives
+        values = [lp for _, lp in alternatives]
+        assert values == sorted(values, reverse=True) and all(math.isfinite(v) and v <= 0 for v in values), values
+        assert alternatives[0][0] == token and abs(alternatives[0][1] - logprob) < 1e-3, (token, logprob, alternatives)
+        assert len({t for t, _ in alternatives}) == 3, alternatives
+    [plain] = await subject.engine.generate(GenerationRequest(subject.prompt, GREEDY))
+    assert plain.top_logprobs is None, "alternatives came back unasked"
+
+
 async def loads_and_unloads_an_adapter(subject: Subject) -> None:
     engine = subject.engine
     base = await _greedy(subject)
@@ -142,6 +159,7 @@ async def close_says_why_and_refuses_requests(subject: Subject) -> None:
 CASES: list[Callable[[Subject], Awaitable[None]]] = [
     declares_the_protocol,
     generates_token_ids_and_finite_logprobs,
+    reports_top_logprobs,
     loads_and_unloads_an_adapter,
     serves_after_train_with,
     close_says_why_and_refuses_requests,  # last: the engine is closed afterwards

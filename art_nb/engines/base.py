@@ -52,6 +52,8 @@ class SamplingParams:
     seed: int | None = None
     # Fixed-length output for benchmarks: keep sampling past EOS.
     ignore_eos: bool = False
+    # The most likely tokens at each position, with their logprobs (OpenAI's top_logprobs, 0-20).
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -70,6 +72,9 @@ class Sample:
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     extra: dict[str, Any] = field(default_factory=dict)
+    # With `SamplingParams.top_logprobs` = k > 0: per sampled token, the k most likely (token id, logprob)
+    # pairs under the same distribution, most likely first (the sampled token need not be among them).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from .hf_batch import (
     prefill_chunks,
     sample_tokens,
     settle,
+    top_alternatives,
 )
 from .hf_prefix import Entry, PrefixCache, chunk_inputs, default_budget
 
@@ -295,7 +296,8 @@ class HFEngine:
         job = row.job
         if job.abandoned:
             return
-        job.samples[row.index] = Sample(list(row.tokens), list(row.logprobs), row.finish)  # type: ignore[arg-type]
+        job.samples[row.index] = Sample(list(row.tokens), list(row.logprobs), row.finish,  # type: ignore[arg-type]
+                                        top_logprobs=list(row.top) if row.params.top_logprobs else None)
         if all(s is not None for s in job.samples):
             settle(job, result=job.samples)
 
@@ -420,9 +422,13 @@ class HFEngine:
 
     def _sample_and_record(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         tokens, logprobs = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows], self._shared_generator)
-        for row, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        counts = [r.params.top_logprobs for r in rows]
+        tops = top_alternatives(logits, counts) if any(counts) else None
+        for i, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
             row.tokens.append(token)
             row.logprobs.append(logprob)
+            if tops is not None and counts[i]:
+                row.top.append(tops[i])
             row.finish = finish_reason(row, token, self._eos_ids, self.tokenizer)
         self.stats.tokens += len(rows)
         return tokens

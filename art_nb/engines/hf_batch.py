@@ -34,6 +34,7 @@ __all__ = [
     "prefill_chunks",
     "sample_tokens",
     "settle",
+    "top_alternatives",
 ]
 
 # Padded prompt tokens per prefill forward: bounds activation memory when many long prompts arrive at once.
@@ -77,6 +78,7 @@ class Row:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # with params.top_logprobs > 0
     finish: str | None = None
 
 
@@ -239,6 +241,19 @@ def sample_tokens(
             noise[j].exponential_(generator=generators[i] or shared)
         tokens[index] = (probs / noise).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def top_alternatives(logits: torch.Tensor, counts: list[int]) -> list[list[tuple[int, float]]]:
+    """Per row, its `counts[i]` most likely (token id, logprob) pairs under the unscaled distribution
+    (the one `sample_tokens` reports logprobs under), most likely first; [] for a count of 0.
+    One top-k over the rows that ask: only requests with `top_logprobs` pay for it."""
+    wanted = max(counts, default=0)
+    if wanted == 0:
+        return [[] for _ in counts]
+    rows = [i for i, k in enumerate(counts) if k]
+    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(wanted, dim=-1)
+    found = dict(zip(rows, zip(ids.tolist(), values.tolist(), strict=True), strict=True))
+    return [list(zip(*found[i], strict=True))[:k] if k else [] for i, k in enumerate(counts)]
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ class VLLMEngine:
             raise
         except Exception as exc:
             raise self._failed(exc, "vLLM rejected the request") from exc
-        return [_to_sample(completion) for completion in sorted(output.outputs, key=lambda c: c.index)]
+        return [_to_sample(completion, params.top_logprobs) for completion in sorted(output.outputs, key=lambda c: c.index)]
 
     # ---- adapters --------------------------------------------------------------------------------
 
@@ -410,20 +410,24 @@ def _vllm_sampling_params(params: SamplingParams) -> Any:
         stop_token_ids=list(params.stop_token_ids) or None,
         seed=params.seed,
         ignore_eos=params.ignore_eos,
-        logprobs=0,  # the sampled token's own logprob, nothing more
+        logprobs=params.top_logprobs,  # 0: the sampled token's own logprob, nothing more; k: the top k beside it
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=bool(params.stop),  # text is only needed to match stop strings; the server decodes
     )
 
 
-def _to_sample(completion: Any) -> Sample:
+def _to_sample(completion: Any, top_logprobs: int = 0) -> Sample:
     token_ids = [int(t) for t in completion.token_ids]
     if completion.finish_reason not in ("stop", "length"):
         raise EngineError(f"vLLM ended the sequence with finish_reason={completion.finish_reason!r}")
     if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
         raise EngineError("vLLM returned no logprob for some sampled tokens")
     logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs, token_ids, strict=True)]
-    return Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=completion.finish_reason)
+    top = None
+    if top_logprobs:  # each position holds the top k (rank 1..k) and the sampled token, whatever its rank
+        top = [[(int(token), float(entry.logprob)) for token, entry in sorted(position.items(), key=lambda kv: kv[1].rank)
+                if entry.rank <= top_logprobs][:top_logprobs] for position in completion.logprobs]
+    return Sample(token_ids=token_ids, logprobs=logprobs, finish_reason=completion.finish_reason, top_logprobs=top)
 
 
 def _vllm_says_dead(exc: Exception) -> bool:

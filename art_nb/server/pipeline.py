@@ -65,6 +65,7 @@ def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: in
         stop_token_ids=tuple(req.stop_token_ids or ()),
         seed=req.seed,
         ignore_eos=req.ignore_eos,
+        top_logprobs=req.top_logprobs or 0,
     )
 
 
@@ -146,19 +147,30 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
         texts = _token_texts(tokenizer)
         entries = []
         for token_id, logprob in zip(ids, logprobs, strict=True):
-            text = texts.get(token_id)
-            if text is None:
-                # Per-token text: a token holding part of a UTF-8 character decodes to U+FFFD.
-                token = tokenizer.decode([token_id])
-                text = texts[token_id] = (token, list(token.encode()))
+            text = texts.get(token_id) or _token_text(texts, tokenizer, token_id)
             entries.append({
                 "token": text[0],
                 "logprob": max(logprob, _MIN_LOGPROB),  # JSON has no -inf
                 "bytes": text[1],
                 "top_logprobs": [],
             })
+        if sample.top_logprobs:  # as long as the sample: zip stops at the ids kept after a stop string
+            for entry, top in zip(entries, sample.top_logprobs, strict=False):
+                entry["top_logprobs"] = [_alternative(texts, tokenizer, t, lp) for t, lp in top]
         choice["logprobs"] = {"content": entries, "refusal": None}
     return choice
+
+
+def _alternative(texts: dict[int, tuple[str, list[int]]], tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    text = texts.get(token_id) or _token_text(texts, tokenizer, token_id)
+    return {"token": text[0], "logprob": max(logprob, _MIN_LOGPROB), "bytes": text[1]}
+
+
+def _token_text(texts: dict[int, tuple[str, list[int]]], tokenizer: Any, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and UTF-8 bytes, decoded and kept for the next response (`_token_texts`)."""
+    token = tokenizer.decode([token_id])  # a token holding part of a UTF-8 character decodes to U+FFFD
+    text = texts[token_id] = (token, list(token.encode()))
+    return text
 
 
 def _clamped(logprobs: list[float]) -> list[float]:

@@ -1,7 +1,7 @@
 """The body of POST /v1/chat/completions, validated at the door.
 
 Every field the endpoint cannot honour faithfully is refused with a 400 that says what to send
-instead (`top_logprobs > 0`, `min_tokens > 0`, `tool_choice` other than "auto"/"none",
+instead (`min_tokens > 0`, `tool_choice` other than "auto"/"none",
 penalties, non-text content parts), rather than accepted and silently ignored: a rollout that
 asked for them would otherwise train on samples it did not mean to draw.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..trajectory import template_message
 from ..web import ApiError
@@ -130,9 +130,9 @@ class ChatCompletionRequest(BaseModel):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _no_alternatives(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("only 0 is supported: the engine returns the logprob of the sampled token only")
+    def _top_logprobs_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # `logprobs` is declared first, so it is validated already
+            raise ValueError("needs logprobs=true, as in OpenAI's API")
         return value
 
     @field_validator("tool_choice")

@@ -89,7 +89,11 @@ class ScriptedEngine:
             finish = "stop"
             if len(ids) > request.params.max_tokens:
                 ids, finish = ids[: request.params.max_tokens], "length"
-            samples.append(Sample(ids, [-(k + 1) / 100 for k in range(len(ids))], finish))
+            logprobs = [-(k + 1) / 100 for k in range(len(ids))]
+            top = None
+            if request.params.top_logprobs:  # the sampled token first, then the next ids, each 1 nat less likely
+                top = [[(t + j, lp - j) for j in range(request.params.top_logprobs)] for t, lp in zip(ids, logprobs)]
+            samples.append(Sample(ids, logprobs, finish, top_logprobs=top))
         return samples
 
     async def load_adapter(self, name: str, path: Path) -> None: ...
@@ -188,6 +192,28 @@ async def test_n_choices_carry_token_ids_and_logprobs(h: Harness, tokenizer: Any
     assert p.max_tokens == h.engine.max_context - len(prompt_ids)  # default: the rest of the context
 
 
+async def test_top_logprobs_name_each_alternative_and_follow_the_stop_cut(h: Harness, tokenizer: Any) -> None:
+    h.engine.script = lambda i: "yes. and more"
+    out = await h.client.chat.completions.create(model="agent", messages=_user("hi"), logprobs=True, top_logprobs=3,
+                                                 stop=["."])
+    (request,) = h.engine.requests
+    assert request.params.top_logprobs == 3
+    choice = out.choices[0]
+    assert choice.message.content == "yes"
+    kept = choice.model_extra["token_ids"]
+    assert len(choice.logprobs.content) == len(kept)  # cut where the stop string completes, alternatives too
+    for k, (entry, token_id) in enumerate(zip(choice.logprobs.content, kept)):
+        alternatives = entry.top_logprobs
+        assert [a.logprob for a in alternatives] == [-(k + 1) / 100 - j for j in range(3)]
+        assert [a.token for a in alternatives] == [tokenizer.decode([token_id + j]) for j in range(3)]
+        assert alternatives[0].token == entry.token and alternatives[0].bytes == list(entry.token.encode())
+
+    stream = await h.client.chat.completions.create(model="agent", messages=_user("hi"), logprobs=True, top_logprobs=2,
+                                                    stream=True)
+    streamed = [entry async for chunk in stream for c in chunk.choices if c.logprobs for entry in c.logprobs.content]
+    assert streamed and all(len(entry.top_logprobs) == 2 for entry in streamed)
+
+
 async def test_logprobs_absent_unless_requested_and_temperature_zero_passed(h: Harness) -> None:
     out = await h.client.chat.completions.create(model="agent@3", messages=_user("hi"), temperature=0)
     assert out.choices[0].logprobs is None
@@ -244,7 +270,8 @@ async def test_unknown_model_is_404(h: Harness) -> None:
         ({"n": 0}, "n"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"stop": [""]}, "stop"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
