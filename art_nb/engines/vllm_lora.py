@@ -1,12 +1,15 @@
 """LoRA adapters handed to vLLM in memory: a train step's update served before its files exist.
 
-vLLM (0.25 on the GPU, 0.32's CPU build) loads an adapter only from a path: the worker's
+vLLM (0.25 on the GPU, 0.11.2 and 0.32's CPU builds) loads an adapter only from a path: the worker's
 `WorkerLoRAManager._load_adapter` reads adapter_config.json and adapter_model.safetensors. Its
 engine core runs in this process, so `install` puts, once, a loader on that manager (through
 `LLMEngine.collective_rpc`, which hands a callable the worker) that builds the `LoRAModel` from
 tensors for the LoRA ids held here, with the same steps as vLLM's `_load_adapter`
 (`PEFTHelper.from_dict` with the model's max positions, `validate_legal`, the module check,
 `LoRAModel.from_lora_tensors`, 0.32's validators), and calls vLLM's own loader for every other id.
+vLLM 0.11 builds the `LoRAModel` with keywords of its own (embedding padding instead of the model's
+vocabulary size, the checkpoint's weight mapper as it is, no skipped prefixes): `_from_tensors` asks
+`from_lora_tensors` which ones it takes.
 A held adapter stays held until it is unloaded: vLLM's LRU cache may evict it and load it again by id.
 
 Where that structure is missing (an unknown vLLM), `install` raises an EngineError naming the
@@ -16,6 +19,7 @@ version; the engine then writes the tensors to a temporary directory and loads b
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import tempfile
 from pathlib import Path
@@ -93,13 +97,15 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     peft_helper = PEFTHelper.from_dict({**weights.config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     peft_helper.validate_legal(manager.lora_config)
     model = adapters.model
+    # third-party: vLLM 0.25 and 0.32 take the model's vocabulary size; 0.11 pads embedding LoRAs instead
+    legacy = "model_vocab_size" not in inspect.signature(manager._lora_model_cls.from_lora_tensors).parameters
     # third-party: some models (Qwen2-VL) rename checkpoint weights; absent on most
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is not None:  # names only, no fusion: 0.25 calls it get_unstacked_mapper, 0.32 get_rename_mapper
+    if mapper is not None and not legacy:  # names only, no fusion: 0.25 calls it get_unstacked_mapper, 0.32 get_rename_mapper
         # third-party: the method's name differs between vLLM 0.25 and 0.32
         narrow = getattr(mapper, "get_unstacked_mapper", None) or mapper.get_rename_mapper
         mapper = narrow()
-    # third-party: model-defined prefixes vLLM skips (e.g. MTP layers); absent on most models
+    # third-party: model-defined prefixes vLLM skips (e.g. MTP layers); absent on most models (and on 0.11)
     skip_prefixes = getattr(model, "lora_skip_prefixes", None)
     _check_modules(weights.tensors, _expected_modules(adapters), mapper, skip_prefixes, peft_helper,
                    manager._lora_model_cls)
@@ -113,10 +119,15 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     lora_dtype = manager.lora_config.lora_dtype
     tensors = packed_copies(dict(weights.tensors), to_host=True,
                             dtype=lora_dtype if isinstance(lora_dtype, torch.dtype) else None)
+    if legacy:  # vLLM 0.11's _load_adapter: embedding LoRAs padded to the vocabulary and its extra slots
+        layout = {"target_embedding_padding": manager.vocab_size + manager.lora_config.lora_extra_vocab_size,
+                  "embedding_modules": manager.embedding_modules,
+                  "embedding_padding_modules": manager.embedding_padding_modules}
+    else:
+        layout = {"model_vocab_size": manager.vocab_size, "skip_prefixes": skip_prefixes}
     lora = manager._lora_model_cls.from_lora_tensors(
         lora_model_id=lora_request.lora_int_id, tensors=tensors, peft_helper=peft_helper, device="cpu",
-        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper,
-        skip_prefixes=skip_prefixes)
+        dtype=manager.lora_config.lora_dtype, weights_mapper=mapper, **layout)
     # third-party: the on-disk MoE layout flag (0.25, 0.32); our adapters come from peft's save layout
     lora.is_3d_lora_weight = getattr(lora_request, "is_3d_lora_weight", False)
     for check in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
@@ -140,7 +151,14 @@ def _check_modules(tensors: dict[str, Any], expected: set[str], mapper: Any, ski
                    peft_helper: Any, lora_model_cls: Any) -> None:
     """Refuse tensors for modules vLLM would not apply (from_local_checkpoint's check): serving part of
     the update silently would sample from a policy the trainer never had."""
-    from vllm.lora.utils import is_base_embedding_weights, parse_fine_tuned_lora_name
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    try:
+        from vllm.lora.utils import is_base_embedding_weights
+    except ImportError:  # vLLM 0.11 has none: its check passes over base_layer keys only
+
+        def is_base_embedding_weights(key: str) -> bool:
+            return False
 
     # third-party: 0.32's PEFTHelper knows modules_to_save heads; 0.25 refuses them in validate_legal
     full_modules = getattr(peft_helper, "modules_to_save", None) or ()

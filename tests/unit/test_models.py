@@ -153,3 +153,16 @@ def test_resolved_tiny_model_loads_with_a_chat_template() -> None:
     assert prompt.rstrip().endswith("<|im_start|>assistant")
     assert model.config.vocab_size == len(tokenizer) and model.config.tie_word_embeddings
     assert "quantization_config" not in model.config.to_dict()
+
+
+def test_a_converted_copy_names_a_tokenizer_class_transformers_4_knows(no_hub: list[bool], cache_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5 saves TokenizersBackend, which transformers 4 (vLLM 0.11's) cannot load; copies made
+    before the fix are mended when resolved."""
+    _fake_conversion(monkeypatch, [])
+    dest = resolve_base_model(TINY_MODEL).path
+    saved = {"tokenizer_class": "TokenizersBackend", "eos_token": "<|im_end|>"}
+    (dest / "tokenizer_config.json").write_text(json.dumps(saved))
+    resolve_base_model(TINY_MODEL)
+    assert json.loads((dest / "tokenizer_config.json").read_text()) == {**saved, "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert sorted(p.name for p in dest.iterdir()) == ["art_nb_conversion.json", "config.json", "tokenizer_config.json"]

