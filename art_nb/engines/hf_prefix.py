@@ -22,6 +22,7 @@ it could and recomputes the rest in place of padding, which costs the same forwa
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import threading
@@ -35,7 +36,7 @@ from transformers.cache_utils import DynamicLayer
 from .hf_batch import check_full_attention, left_padded
 
 __all__ = ["MIN_REUSE_TOKENS", "ChunkInputs", "Entry", "PrefixCache", "chunk_inputs", "common_prefix",
-           "default_budget"]
+           "default_budget", "filled_layer"]
 
 # Share of the serving device's memory the prefix cache may hold by default: RAM on CPU (plentiful
 # next to a small model), less of a GPU's, which the running batch and the weights need. A `ModelConfig`
@@ -229,8 +230,19 @@ def chunk_inputs(prompts: list[tuple[int, ...]], matches: list[tuple[Entry | Non
                     assert entry is not None
                     keys[i, :, past - r :] = entry.layers[layer_index][0][:, :r]
                     values[i, :, past - r :] = entry.layers[layer_index][1][:, :r]
-            layer = DynamicLayer()  # filled directly: `update` would copy the tensors once more
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            cache.layers.append(layer)
+            cache.layers.append(filled_layer(DynamicLayer(), keys, values))
     return ChunkInputs(ids.to(device), mask, positions, cache, reused)
+
+
+def filled_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """`layer` holding `keys` and `values` as they are (its `update` would copy them once more).
+    transformers 5 initialises a layer from both tensors, 4.56-4.57 (vLLM 0.11.2's T4 set) from the keys."""
+    if _INIT_TAKES_VALUES:
+        layer.lazy_initialization(keys, values)
+    else:
+        layer.lazy_initialization(keys)
+    layer.keys, layer.values = keys, values
+    return layer
+
+
+_INIT_TAKES_VALUES = "value_states" in inspect.signature(DynamicLayer.lazy_initialization).parameters

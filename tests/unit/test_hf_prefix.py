@@ -17,6 +17,7 @@ from art_nb.engines.hf_prefix import (
     PrefixCache,
     chunk_inputs,
     common_prefix,
+    filled_layer,
 )
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -30,9 +31,7 @@ def kv_cache(rows: int, length: int, layer: type[DynamicLayer] = DynamicLayer) -
         pos = torch.arange(length, dtype=torch.float32)[None, None, :, None]
         keys = (torch.arange(rows, dtype=torch.float32)[:, None, None, None] * 1000 + pos).expand(rows, HEADS, length, DIM)
         new = layer(sliding_window=8) if layer is DynamicSlidingWindowLayer else layer()
-        new.lazy_initialization(keys, keys)
-        new.keys, new.values = keys.contiguous(), -keys.contiguous()
-        cache.layers.append(new)
+        cache.layers.append(filled_layer(new, keys.contiguous(), -keys.contiguous()))
     return cache
 
 
