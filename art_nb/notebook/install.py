@@ -7,12 +7,12 @@ a restart that nothing else needed.
 
 What it installs comes from what art_nb ships, so the versions are written once:
 - the requirements of the extras for the runtime's stack, read from art_nb's own metadata
-  (`notebook` + `gpu` on a GPU, `notebook` + `cpu` without one; on Turing the gpu extra less vLLM,
-  which has no attention backend there);
+  (`notebook` + `gpu` on a GPU, `notebook` + `cpu` without one; on Turing the gpu extra's vLLM is
+  held to 0.11.2 by the constraint file, the last release with an attention backend there);
 - `pip install -c` with the stack's constraint file (`art_nb/constraints/{stack}.txt`, the files
   `art_nb.versions` reads), the stack picked from `nvidia-smi`'s compute capability by
   `versions.stack_for`.
-Colab's own numpy, ipywidgets and pillow (and its torch, except where vLLM needs its own) are kept
+Colab's own numpy, ipywidgets and pillow (and its torch on a CPU runtime; vLLM needs its own) are kept
 when pip can keep them; when it cannot, the second try lets pip change them and says so. At the end
 it says whether the runtime must restart, and why: a package this kernel had already imported
 changed on disk (the kernel would keep running the old one).
@@ -41,7 +41,6 @@ KEEP = ("numpy", "ipywidgets", "pillow")
 """The runtime's own copies, kept where pip can: Colab's widgets and image stack are built around them."""
 
 _EXTRAS = {"cpu": ("notebook", "cpu"), "turing": ("notebook", "gpu"), "ampere": ("notebook", "gpu")}
-_WITHOUT = {"turing": frozenset({"vllm"})}  # no attention backend for sm70/sm75 in the releases art_nb runs
 _EXTRA_MARKER = re.compile(r"""^\s*extra\s*==\s*["']([^"']+)["']\s*$""")
 
 
@@ -53,16 +52,12 @@ def _requirement_name(requirement: str) -> str:
     return _normalize(re.split(r"[\s\[<>=!~;@(]", requirement.strip(), maxsplit=1)[0])
 
 
-def requirements(extras: Sequence[str], without: frozenset[str] = frozenset(),
-                 declared: Sequence[str] | None = None) -> list[str]:
+def requirements(extras: Sequence[str], declared: Sequence[str] | None = None) -> list[str]:
     """The requirements of art_nb's `extras` (and its base), from its installed metadata; a
     requirement on another extra of art_nb itself ("art-nb[cpu]") is expanded in place."""
     declared = list(metadata.requires(DISTRIBUTION) or []) if declared is None else list(declared)
-    wanted, seen, result = list(extras), set(), []
-    base = [r for r in declared if ";" not in r]
-    for requirement in base:
-        if _requirement_name(requirement) not in without:
-            result.append(requirement)
+    wanted, seen = list(extras), set()
+    result = [r for r in declared if ";" not in r]  # the base requirements
     while wanted:
         extra = wanted.pop(0)
         if extra in seen:
@@ -77,7 +72,7 @@ def requirements(extras: Sequence[str], without: frozenset[str] = frozenset(),
             if name == DISTRIBUTION:  # "art-nb[cpu]; extra == 'gpu'"
                 inner = re.search(r"\[([^\]]+)\]", requirement)
                 wanted += [e.strip() for e in inner.group(1).split(",")] if inner else []
-            elif name not in without and requirement.strip() not in result:
+            elif requirement.strip() not in result:
                 result.append(requirement.strip())
     return result
 
@@ -103,13 +98,14 @@ def plan_for(hardware: Hardware, installed: Mapping[str, str], declared: Sequenc
     if hardware.gpu_capability is None:
         why = "no GPU: the CPU set (transformers engine, peft trainer)"
     elif stack == "turing":
-        why = f"{hardware.gpu_name} ({hardware.sm}): the T4 set, Unsloth + transformers, no vLLM"
+        why = (f"{hardware.gpu_name} ({hardware.sm}): the T4 set, vLLM 0.11.2 (the last release for this GPU) + "
+               "Unsloth; the transformers engine serves if vLLM cannot start here")
     else:
         why = f"{hardware.gpu_name} ({hardware.sm}): the vLLM + Unsloth set run on an H200"
-    keep = KEEP if stack == "ampere" else (*KEEP, "torch")  # vLLM pins its own torch
+    keep = (*KEEP, "torch") if stack == "cpu" else KEEP  # on a GPU vLLM pins its own torch
     kept = {name: installed[name] for name in keep if name in installed}
     stack_pins = {name: version for name, version in pins(stack).items() if name not in kept}
-    return Plan(stack, why, requirements(_EXTRAS[stack], _WITHOUT.get(stack, frozenset()), declared),
+    return Plan(stack, why, requirements(_EXTRAS[stack], declared),
                 kept, stack_pins)
 
 

@@ -247,18 +247,18 @@ def test_install_is_skipped_where_art_nb_is_installed(run_install):
     assert machine.pip_calls == []
 
 
-def test_t4_gets_the_turing_set_without_vllm_and_keeps_colabs_packages(run_install):
+def test_t4_gets_the_turing_set_with_vllm_0_11_2_and_keeps_colabs_other_packages(run_install):
     machine = FakeMachine(gpu="7.5", installed=COLAB)
     out = run_install(machine)
     first, stack = machine.pip_calls
     assert first[4:] == ["-q", "art-nb"]  # art_nb itself, from the package index
-    assert {"unsloth", "trl", "transformers", "peft", "ipywidgets", "matplotlib"} <= stack_requirements(stack)
-    assert "vllm" not in stack_requirements(stack) and "pytest" not in stack_requirements(stack)
-    pinned = machine.constraints[0].splitlines()
-    assert {"unsloth==2026.10.9", "transformers==5.17.0", "numpy==1.26.4", "ipywidgets==7.7.1",
-            "pillow==11.1.0", "torch==2.6.0+cu124"} <= set(pinned)  # Colab's torch stays: no vLLM here
-    assert "turing set (Tesla T4 (sm75)" in out
-    assert out.strip().endswith("art_nb installed with the turing set; no restart needed.")
+    assert {"vllm", "unsloth", "trl", "transformers", "peft", "ipywidgets", "matplotlib"} <= stack_requirements(stack)
+    assert "pytest" not in stack_requirements(stack)
+    pinned = set(machine.constraints[0].splitlines())
+    assert {"vllm==0.11.2", "torch==2.9.0", "transformers==4.57.6", "unsloth==2026.10.9", "numpy==1.26.4",
+            "ipywidgets==7.7.1", "pillow==11.1.0"} <= pinned
+    assert "torch==2.6.0+cu124" not in pinned  # vLLM 0.11.2 needs torch 2.9.0
+    assert "turing set (Tesla T4 (sm75)" in out and "vLLM 0.11.2" in out
 
 
 def test_a100_gets_the_vllm_set_with_its_torch(run_install):

