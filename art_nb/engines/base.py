@@ -101,11 +101,13 @@ class AdapterWeights:
 
 
 def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str | None = None,
-                  dtype: Any = None) -> dict[str, Any]:
+                  dtype: Any = None, pinned: bool = False) -> dict[str, Any]:
     """Private copies of `tensors` (in `dtype` if given), packed per device and dtype into one new
     buffer on their device; with `what`, checked there for NaN/inf (one sync; ValueError "non-finite
     {what}" naming the first bad one); with `to_host`, copied to the host in one transfer (a copy per
-    tensor would wait on the device each time). The copies are views of that buffer."""
+    tensor would wait on the device each time), into page-locked memory with `pinned` when the tensors
+    are on a GPU (a reader that pins each tensor, as vLLM's LoRA loader does, then finds them pinned
+    and copies nothing). The copies are views of that buffer."""
     import torch
 
     by_kind: dict[tuple[Any, Any], list[str]] = {}
@@ -120,7 +122,11 @@ def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str | None = 
             bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
             if bad is not None:
                 raise ValueError(f"refusing to save non-finite {what} ({bad})")
-        pieces = (flat.cpu() if to_host else flat).split([tensors[name].numel() for name in names])
+        if to_host and pinned and flat.is_cuda:
+            flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+        elif to_host:
+            flat = flat.cpu()
+        pieces = flat.split([tensors[name].numel() for name in names])
         copied.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
     return {name: copied[name] for name in tensors}
 

@@ -100,7 +100,7 @@ def test_copies_for_vllm_are_in_the_lora_dtype_packed_and_not_shared_with_the_tr
     from art_nb.engines.base import packed_copies
 
     tensors = {"a": torch.randn(16, 8), "b": torch.randn(8, 16).t(), "c": torch.randn(3, dtype=torch.float64)}
-    copies = packed_copies(tensors, to_host=True, dtype=torch.bfloat16)  # as vllm_lora._from_tensors asks
+    copies = packed_copies(tensors, to_host=True, pinned=True, dtype=torch.bfloat16)  # as vllm_lora asks (pinned: on a GPU)
     assert list(copies) == list(tensors) and all(c.dtype == torch.bfloat16 for c in copies.values())
     assert all(torch.equal(copies[k], t.to(torch.bfloat16)) and copies[k].shape == t.shape for k, t in tensors.items())
     assert len({c.untyped_storage().data_ptr() for c in copies.values()}) == 1  # one buffer: one transfer to a GPU
