@@ -349,6 +349,10 @@ def _fit_comparison(nf4: dict[str, Any], bf16: dict[str, Any]) -> list[str]:
                          "at the cap less the context (e0c28f3)."), ""]
 
 
+# art_nb's engine in the T4 head to head (runs before 2026-12-02's --art-engine used the transformers engine)
+_T4_ENGINES = {"hf": "transformers engine", "vllm": "vLLM engine"}
+
+
 def gpu_t4_vs_unsloth(data: dict[str, Any] | None) -> list[str]:
     lines = ["## T4 head to head: art_nb's T4 configuration vs Unsloth's T4 GRPO recipe, 15 GiB cap", ""]
     if not data:
@@ -357,7 +361,7 @@ def gpu_t4_vs_unsloth(data: dict[str, Any] | None) -> list[str]:
     lines += [context(data), "", (f"Model: {data.get('weights')}, {st['base']} base, {st['dtype']}, LoRA r{st['lora_rank']}; "
               f"per step 1 prompt x {st['generations']} completions of {st['completion_tokens']} tokens; "
               f"both under a {st['cap_gib']} GiB cap. {st['not_a_t4']}: the ratio, not the seconds, carries over."), "",
-              "| | art_nb (transformers engine, Unsloth trainer) | Unsloth's recipe (vLLM standby, TRL GRPOTrainer) |",
+              f"| | art_nb ({_T4_ENGINES[st.get('art_engine', 'hf')]}, Unsloth trainer) | Unsloth's recipe (vLLM standby, TRL GRPOTrainer) |",
               "|---|---|---|"]
     art, uns = sections.get("art", {}), sections.get("unsloth", {})
 
@@ -449,9 +453,12 @@ def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
         goal = ">= 1.3, overhead < 5%" if new_format else "> 1, overhead < 5%"
         rows.append(f"| GRPO step, H200, 3B, 64 rollouts x 128 tokens | {a:.2f} s ({art['step_stats']['overhead_share']['mean']:.0%} "
                     f"overhead) | TRL colocated{when}: {t:.2f} s | {t / a:.2f} | {goal} |")
-    t4 = (results.get("gpu_t4_vs_unsloth") or {}).get("sections", {}).get("comparison", {})
+    t4_data = results.get("gpu_t4_vs_unsloth") or {}
+    t4 = t4_data.get("sections", {}).get("comparison", {})
     if t4.get("art_nb_over_unsloth_time") is not None:
-        rows.append(f"| GRPO step, T4 settings (H200 capped at 15 GiB), 3B 4-bit | {t4['art_nb_step_s']:.2f} s, peak "
+        engine = _T4_ENGINES[t4_data.get("settings", {}).get("art_engine", "hf")]
+        rows.append(f"| GRPO step, T4 settings (H200 capped at 15 GiB), 3B 4-bit, art_nb serving with the {engine} | "
+                    f"{t4['art_nb_step_s']:.2f} s, peak "
                     f"{t4['art_nb_peak_gib']} GiB | Unsloth's T4 recipe: {t4['unsloth_step_s']:.2f} s, peak "
                     f"{t4['unsloth_peak_gib']} GiB | {t4['art_nb_over_unsloth_time']:.2f} | <= 1.0, <= its memory |")
     fit = results.get("gpu_memory_fit")
