@@ -1,9 +1,9 @@
 """The body of POST /v1/chat/completions, validated at the door.
 
 Every field the endpoint cannot honour faithfully is refused with a 400 that says what to send
-instead (`min_tokens > 0`, `tool_choice` other than "auto"/"none",
-penalties, non-text content parts), rather than accepted and silently ignored: a rollout that
-asked for them would otherwise train on samples it did not mean to draw.
+instead (`min_tokens > 0`, `tool_choice` other than "auto"/"none", penalties, `logit_bias`, a
+`response_format` other than text, non-text content parts), rather than accepted and silently
+ignored: a rollout that asked for them would otherwise train on samples it did not mean to draw.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class ChatCompletionRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # Special-token text in content is plain text unless this is set (see art_nb.server.prompt).
     allow_special_tokens_in_content: bool = False
 
@@ -154,6 +156,21 @@ class ChatCompletionRequest(BaseModel):
     def _no_penalty(cls, value: float | None) -> float | None:
         if value:
             raise ValueError("penalties are not supported: they would skew the logprobs training uses")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and any(value.values()):
+            raise ValueError("not supported: a bias would skew the logprobs training uses")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "text") != "text":
+            raise ValueError(f"{value.get('type')!r} is not enforced here (no constrained decoding: it would also "
+                             "change the logprobs training uses); ask for the format in the prompt and parse the reply")
         return value
 
     def offered_tools(self) -> list[dict[str, Any]] | None:

@@ -214,6 +214,12 @@ async def test_top_logprobs_name_each_alternative_and_follow_the_stop_cut(h: Har
     assert streamed and all(len(entry.top_logprobs) == 2 for entry in streamed)
 
 
+async def test_plain_text_format_and_an_empty_logit_bias_are_accepted(h: Harness) -> None:
+    out = await h.client.chat.completions.create(model="agent", messages=_user("hi"), response_format={"type": "text"},
+                                                 logit_bias={"42": 0})
+    assert out.choices[0].message.content == "answer 0"
+
+
 async def test_logprobs_absent_unless_requested_and_temperature_zero_passed(h: Harness) -> None:
     out = await h.client.chat.completions.create(model="agent@3", messages=_user("hi"), temperature=0)
     assert out.choices[0].logprobs is None
@@ -273,6 +279,8 @@ async def test_unknown_model_is_404(h: Harness) -> None:
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true, as OpenAI
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stop": [""]}, "stop"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
