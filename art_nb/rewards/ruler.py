@@ -56,8 +56,9 @@ def _request_params(judge: Judge, method: str, rating_samples: int) -> dict[str,
     if method == "json":
         # art_nb's own server has no constrained decoding; a hosted judge is held to the schema.
         return {} if judge.local else {"response_format": _json_schema()}
-    if judge.local:  # only the sampled token's logprob comes back: sample several ratings
-        return {"n": rating_samples, "temperature": 1.0, "max_tokens": _RATING_MAX_TOKENS}
+    if judge.local:  # top logprobs where the server returns them (art_nb's does), else the sampled ratings' mean
+        return {"n": rating_samples, "temperature": 1.0, "max_tokens": _RATING_MAX_TOKENS, "logprobs": True,
+                "top_logprobs": _TOP_LOGPROBS}
     return {"n": 1, "temperature": 0.0, "max_tokens": _RATING_MAX_TOKENS, "logprobs": True,
             "top_logprobs": _TOP_LOGPROBS}
 

@@ -9,8 +9,9 @@
   LocalBackend serves under the base model's hub name, so `judge_model=model` needs no key and no
   network (Colab, CI); another `Model` is asked under its inference name.
 
-`Judge.local` says the endpoint is art_nb's own: it returns only the sampled token's logprob, so
-ratings there are sampled several times instead of read from top logprobs.
+`Judge.local` says the endpoint is an art_nb model's, which may be any OpenAI-compatible server: its
+ratings are read from top logprobs where it returns them (art_nb's own endpoint does) and sampled
+several times in the same request otherwise.
 """
 
 from __future__ import annotations

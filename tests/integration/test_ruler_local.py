@@ -46,7 +46,7 @@ async def test_the_local_base_model_scores_a_group_offline(judge, tmp_path):
     assert all(0.0 <= t.reward <= 1.0 for t in scored)
     assert [t.metrics["independent_reward"] for t in scored] == [1.0, -1.0]
     assert [t.metrics["ruler_score"] for t in scored] == [t.reward for t in scored]
-    assert all("sampled ratings" in t.logs[-1] for t in scored) and group.rewards() == [1.0, -1.0]
+    assert all("over the judge's top logprobs" in t.logs[-1] for t in scored) and group.rewards() == [1.0, -1.0]
     started = time.perf_counter()
     again = await ruler_score_group(group, judge, {"seed": 1234}, rating_samples=4, cache_dir=tmp_path)
     assert again.rewards() == scored.rewards() and time.perf_counter() - started < judged_s / 4  # from the cache

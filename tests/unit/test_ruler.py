@@ -178,7 +178,9 @@ async def test_rating_mode_samples_one_question_per_trajectory(fake, tmp_path):
     judge = fake(reply, local=True)
     scored = await ruler_score_group(group("1, 2, 3", "three"), "m", rating_samples=2, cache_dir=tmp_path)
     assert [t.reward for t in scored] == [0.85, 0.2]
-    assert all(p == {"n": 2, "temperature": 1.0, "max_tokens": 4} for _, p in judge.requests)
+    # top logprobs asked for in the same request, read where the server returns them (this one does not)
+    assert all(p == {"n": 2, "temperature": 1.0, "max_tokens": 4, "logprobs": True, "top_logprobs": 20}
+               for _, p in judge.requests)
     assert "mean of 1 of 2 sampled ratings" in scored.trajectories[1].logs[0]
     fake(lambda m, p: ["no", "idea"], local=True)
     with pytest.raises(ValueError, match="no rating"):

@@ -102,7 +102,8 @@ async def test_a_trainable_model_judges_with_its_base_weights(stub, tmp_path):
     assert len(server.requests) == 2
     for headers, body in server.requests:  # rating mode: the base model's hub name, sampled ratings
         assert body["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and body["n"] == 2
-        assert "top_logprobs" not in body and headers["Authorization"] == "Bearer local-key"
+        assert body["top_logprobs"] == 20 and body["logprobs"] is True  # read where the server returns them
+        assert headers["Authorization"] == "Bearer local-key"
 
 
 async def test_litellm_is_used_when_installed(monkeypatch, tmp_path):
