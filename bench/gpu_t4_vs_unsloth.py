@@ -24,8 +24,9 @@ Equal work: the same prompt per step (tic-tac-toe first turns), 8 completions of
 Qwen2.5-3B-shaped model with RANDOM WEIGHTS and the SmolLM2 tokenizer, saved to disk in bf16 and
 quantised to NF4 at load by both (no hub on the GPU machine).
 
-The cap, per process, before anything touches the GPU: `torch.cuda.set_per_process_memory_fraction
-(15 GiB / device)` (PyTorch's allocator). vLLM's pool lives outside that allocator, so Unsloth is shown
+The cap, per process, before anything touches the GPU: `torch.cuda.set_per_process_memory_fraction`
+to 15 GiB less the process's CUDA context (PyTorch's allocator; `_common.cap_like_a_gpu`: a real 15 GiB GPU
+has the context in it too; before 2026-12-02's d01317e Unsloth's side got the whole 15 GiB). vLLM's pool lives outside that allocator, so Unsloth is shown
 a 15 GiB device (`unsloth_zoo.vllm_utils.get_mem_info` returns the cap: every memory choice Unsloth
 makes is the one it makes on a T4) and the share it then hands vLLM is rescaled from the cap to the
 device (`vllm.LLM` is wrapped for that one keyword). Peak memory: device-wide used memory (total - free
@@ -114,17 +115,6 @@ def cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def cap_this_process(cap_gib: float) -> dict[str, Any]:
-    """Bound PyTorch's allocator to `cap_gib` before anything else allocates; what the cap is in numbers."""
-    import torch
-
-    free, total = torch.cuda.mem_get_info()
-    cap = int(cap_gib * GiB)
-    torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
-    return {"cap_gib": cap_gib, "device_total_gib": round(total / GiB, 1), "torch_fraction": round(cap / total, 4),
-            "used_at_start_gib": round((total - free) / GiB, 2)}
-
-
 def reward(seed: int) -> float:
     return random.Random(seed).random()
 
@@ -189,7 +179,7 @@ def unsloth_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     result: dict[str, Any] = {"recipe": RECIPE, "dtype": "float16 (a T4 has no bf16)"}
     on_gpu = cuda()
     if on_gpu:
-        result["cap"] = cap_this_process(args.cap_gib)
+        result["cap"] = cap_like_a_gpu(args.cap_gib)
         os.environ["UNSLOTH_VLLM_STANDBY"] = "1"  # before `import unsloth`, as its notebooks set it
     peak = GpuUsedPeak().__enter__() if on_gpu else None
     started = time.perf_counter()
@@ -283,7 +273,7 @@ def prompt_dataset(prompts: list[Any]) -> Any:
 async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     on_gpu = cuda()
     result: dict[str, Any] = {}
-    if on_gpu:  # the context counts against the cap, as on a real 15 GiB GPU (Unsloth's side sees the same)
+    if on_gpu:
         result["cap"] = cap_like_a_gpu(args.cap_gib)
     peak = GpuUsedPeak().__enter__() if on_gpu else None
     import art_nb as art

@@ -247,13 +247,14 @@ def top_alternatives(logits: torch.Tensor, counts: list[int]) -> list[list[tuple
     """Per row, its `counts[i]` most likely (token id, logprob) pairs under the unscaled distribution
     (the one `sample_tokens` reports logprobs under), most likely first; [] for a count of 0.
     One top-k over the rows that ask: only requests with `top_logprobs` pay for it."""
-    wanted = max(counts, default=0)
-    if wanted == 0:
-        return [[] for _ in counts]
+    out: list[list[tuple[int, float]]] = [[] for _ in counts]
     rows = [i for i, k in enumerate(counts) if k]
-    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(wanted, dim=-1)
-    found = dict(zip(rows, zip(ids.tolist(), values.tolist(), strict=True), strict=True))
-    return [list(zip(*found[i], strict=True))[:k] if k else [] for i, k in enumerate(counts)]
+    if not rows:
+        return out
+    values, ids = torch.log_softmax(logits[rows].float(), dim=-1).topk(max(counts), dim=-1)
+    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
+        out[row] = list(zip(row_ids, row_values, strict=True))[: counts[row]]
+    return out
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -229,20 +229,18 @@ class Runtime:
             choices = {"base_model": f"{resolved.path} ({resolved.source}: {resolved.reason})", **plan.reasons}
             for key, why in choices.items():
                 _log.info("%s: %s", key, why)
-            try:
-                engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
-                                                        self.engines.get((str(resolved.path), plan.engine)),
-                                                        _create_engine, _create_trainer)
-            except Exception as exc:
-                fallback = engine_fallback(plan, model.backend_config, exc)
-                if fallback is None:
-                    raise
-                _log.warning("engine: %s", fallback.reasons["engine"])
-                plan, choices["engine"] = fallback, fallback.reasons["engine"]
-                engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
-                                                        self.engines.get((str(resolved.path), plan.engine)),
-                                                        _create_engine, _create_trainer)
-            engine_key = (str(resolved.path), plan.engine)
+            while True:
+                engine_key = (str(resolved.path), plan.engine)
+                try:
+                    engine, trainer, snapshot = await build(plan, resolved.path, model.backend_config, clock,
+                                                            self.engines.get(engine_key), _create_engine, _create_trainer)
+                    break
+                except Exception as exc:
+                    fallback = engine_fallback(plan, model.backend_config, exc)  # None again for the fallback
+                    if fallback is None:
+                        raise
+                    _log.warning("engine: %s", fallback.reasons["engine"])
+                    plan, choices["engine"] = fallback, fallback.reasons["engine"]
             self.engines[engine_key] = engine
             if snapshot is not None:
                 self.snapshots[engine_key] = snapshot
