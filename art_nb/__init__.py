@@ -2,8 +2,8 @@
 
 ART's public names are here under the same spelling (`import art_nb as art` ports ART code), and
 ART's submodules too (`art_nb.dev`, `art_nb.utils`, `art_nb.local`, `art_nb.rewards`...).
-`art_nb.trajectory` is ART's capture function (`await art.trajectory(rollout(...))`), not the
-module of that name: import from the module as `from art_nb.trajectory import ...`.
+`art_nb.trajectories` is ART's capture function (`await art.trajectory(rollout(...))`), not the
+module of that name: import from the module as `from art_nb.trajectories import ...`.
 Importing this package loads no torch, vLLM, Unsloth or ipywidgets: engines and trainers load
 when a backend first needs them.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import dev, trajectories, utils  # ART code reaches art.trajectories.History
 from ._version import __version__
-from .backends.base import Backend
+from .backend import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
 from .datasets_io import trajectories_dataset
 from .gather import (
@@ -29,13 +29,13 @@ from .gather import (
 from .model import Model, TrainableModel
 from .scopes import current_trajectory, current_trajectory_group, no_capture, trajectory, trajectory_group
 from .sft_config import TrainSFTConfig
-from .trajectory import History, Trajectory, TrajectoryGroup
+from .trajectories import History, Trajectory, TrajectoryGroup
 from .types import LocalTrainResult, Messages, MessagesAndChoices, Tools, TrainResult
 
 if TYPE_CHECKING:
-    from .backends.local import LocalBackend
-    from .backends.remote import RemoteBackend
-    from .backends.serverless import ServerlessBackend
+    from .local import LocalBackend
+    from .remote.client import RemoteBackend
+    from .serverless import ServerlessBackend
 
 __all__ = [
     "Backend",
@@ -79,15 +79,15 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Backends load on first use, so `import art_nb` stays light."""
     if name == "LocalBackend":
-        from .backends.local import LocalBackend
+        from .local import LocalBackend
 
         return LocalBackend
     if name == "RemoteBackend":
-        from .backends.remote import RemoteBackend
+        from .remote.client import RemoteBackend
 
         return RemoteBackend
     if name == "ServerlessBackend":
-        from .backends.serverless import ServerlessBackend
+        from .serverless import ServerlessBackend
 
         return ServerlessBackend
     raise AttributeError(f"module 'art_nb' has no attribute {name!r}")

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_demo(config))
         return 0
     if args.command == "serve":
-        from .backends.serve import TOKEN_ENV, serve
+        from .remote.serve import TOKEN_ENV, serve
 
         if args.token is not None:
             print(f"art-nb serve: warning: --token puts the token in the process list, where every user of this "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import art_nb as art
-from art_nb.backends.base import Backend
+from art_nb.backend import Backend
 from art_nb.envs import tic_tac_toe as ttt
 from art_nb.store import HISTORY_FILE, read_jsonl
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from . import events
-from .trajectory import Trajectory, TrajectoryGroup, gather_or_cancel
+from .trajectories import Trajectory, TrajectoryGroup, gather_or_cancel
 from .utils import DatasetBatch, iterate_dataset, limit_concurrency, retry
 
 __all__ = [

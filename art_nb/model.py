@@ -23,13 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 from . import porting
 from .config import ModelConfig, TrainConfig
 from .sft_config import TrainSFTConfig
-from .trajectory import Trajectory, TrajectoryGroup
+from .trajectories import Trajectory, TrajectoryGroup
 from .types import check_name
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-    from .backends.base import Backend
+    from .backend import Backend
     from .types import ProgressCallback, TrainResult
 
 __all__ = ["HandoffTarget", "Model", "TrainableModel"]

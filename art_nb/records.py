@@ -14,7 +14,7 @@ from typing import Any
 
 from . import events
 from .store import ModelStore
-from .trajectory import Choice, Trajectory, TrajectoryGroup
+from .trajectories import Choice, Trajectory, TrajectoryGroup
 
 __all__ = ["UNTRAINABLE_FIX", "as_groups", "best_step", "check_trainable", "has_choice", "mean_and_std", "record_groups",
            "record_metrics", "summarize", "trajectory_record", "unrecorded"]

@@ -9,7 +9,7 @@ runs such coroutines concurrently into one `TrajectoryGroup` (one failure cancel
 unless `return_exceptions=True`, which keeps failures as the group's exceptions).
 
 Each coroutine runs in its own task, hence its own copy of the context: concurrent scopes never
-see each other's calls (art_nb.capture.scope).
+see each other's calls (art_nb.capture.context).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import asyncio
 from collections.abc import Coroutine, Iterable
 from typing import Any
 
+from .capture import context as capture_scope
 from .capture import no_capture
-from .capture import scope as capture_scope
-from .trajectory import Trajectory, TrajectoryGroup, gather_or_cancel
+from .trajectories import Trajectory, TrajectoryGroup, gather_or_cancel
 
 __all__ = ["current_trajectory", "current_trajectory_group", "no_capture", "trajectory", "trajectory_group"]
 

@@ -1,5 +1,5 @@
-"""The server side of art_nb's HTTP, in one place: the in-kernel OpenAI endpoint (`art_nb.server`)
-and `art-nb serve` (`art_nb.backends.serve`) answer errors, check keys, guard against browsers and
+"""The server side of art_nb's HTTP, in one place: the in-kernel OpenAI endpoint (`art_nb.local.server`)
+and `art-nb serve` (`art_nb.remote.serve`) answer errors, check keys, guard against browsers and
 read bodies through these pieces, so the two servers cannot drift apart.
 
 - `ApiError`: raise it in a route; the handlers from `error_handlers()` answer it in OpenAI's error
@@ -9,7 +9,7 @@ read bodies through these pieces, so the two servers cannot drift apart.
   machine (DNS rebinding, cross-site requests) and for body size and read time (see its docstring).
 - `BearerAuth`: ASGI middleware requiring `Authorization: Bearer <key>`, compared in constant time.
   It marks a request that passed (`TRUSTED` in the scope; False when refused here or by the
-  guard), which the connection policy of `art_nb.server.connections` reads: that client's
+  guard), which the connection policy of `art_nb.local.server.connections` reads: that client's
   connection stays open through a train step, a refused one is closed soon after its answer.
 - `read_json(request)`: the body as JSON, parsed off the event loop when large, with a nesting
   limit, and every way it can be malformed answered with a 400 rather than a 500.

@@ -58,7 +58,7 @@ async def play_games(groups: int, group_size: int, seed: int) -> list[Any]:
     """Tic-tac-toe groups from the real stack (LocalBackend, HF engine, OpenAI endpoint); groups with signal only."""
     import art_nb as art
     from art_nb.envs import tic_tac_toe as ttt
-    from art_nb.models import TINY_MODEL
+    from art_nb.local.base_models import TINY_MODEL
 
     model = art.TrainableModel(
         name="bench-ttt", project="bench", base_model=TINY_MODEL,
@@ -81,7 +81,7 @@ async def play_games(groups: int, group_size: int, seed: int) -> list[Any]:
 
 
 def dump_groups(groups: list[Any]) -> list[list[dict[str, Any]]]:
-    from art_nb.trajectory import Choice
+    from art_nb.trajectories import Choice
 
     out = []
     for group in groups:
@@ -95,7 +95,7 @@ def dump_groups(groups: list[Any]) -> list[list[dict[str, Any]]]:
 
 
 def load_groups(raw: list[list[dict[str, Any]]]) -> list[Any]:
-    from art_nb.trajectory import Choice, Trajectory, TrajectoryGroup
+    from art_nb.trajectories import Choice, Trajectory, TrajectoryGroup
 
     return [
         TrajectoryGroup(
@@ -113,7 +113,7 @@ def make_batch(groups: int, group_size: int, seed: int) -> dict[str, Any]:
 
     from art_nb.config import TrainConfig
     from art_nb.grpo.advantages import prepare_batch
-    from art_nb.models import TINY_MODEL, resolve_base_model
+    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
 
     played = asyncio.run(play_games(groups, group_size, seed))
     raw = dump_groups(played)
@@ -141,7 +141,7 @@ class ArtSide:
 
     def __init__(self, batch: dict[str, Any], model_path: Path) -> None:
         from art_nb.config import LoraConfig, ModelConfig, TrainConfig
-        from art_nb.trainers.peft import PeftTrainer
+        from art_nb.local.trainers.peft_trainer import PeftTrainer
 
         self.groups = load_groups(batch["groups"])
         self.config = TrainConfig(learning_rate=LEARNING_RATE, loss="ppo")  # what was measured against TRL
@@ -300,7 +300,7 @@ def worker(kind: str, threads: int, chunks: int, profile: bool) -> None:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    from art_nb.models import TINY_MODEL, resolve_base_model
+    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
 
     batch = json.loads(BATCH.read_text())
     path = resolve_base_model(TINY_MODEL).path
@@ -370,7 +370,7 @@ def main() -> None:
         worker(args.worker, args.threads or 1, args.chunks, args.profile)
         return
 
-    from art_nb._threads import choose_cpu_threads
+    from art_nb.local.threads import choose_cpu_threads
 
     threads, why = (args.threads, "--threads") if args.threads else choose_cpu_threads()
     if args.make_batch or not BATCH.exists():

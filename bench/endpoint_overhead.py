@@ -45,7 +45,7 @@ async def endpoint_run(model: Any, n: int, tokens: int) -> tuple[float, float, l
 
 
 async def direct_run(engine: Any, prompt_ids: list[int], n: int, tokens: int) -> tuple[float, float, list[list[int]]]:
-    from art_nb.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
 
     started, cpu = time.perf_counter(), time.process_time()
     samples = await asyncio.gather(*(
@@ -58,7 +58,7 @@ async def direct_run(engine: Any, prompt_ids: list[int], n: int, tokens: int) ->
 
 async def run(args: argparse.Namespace, results: Results) -> None:
     import art_nb as art
-    from art_nb.models import TINY_MODEL
+    from art_nb.local.base_models import TINY_MODEL
 
     model = art.TrainableModel(name="bench-endpoint", project="bench", base_model=TINY_MODEL,
                                config=art.ModelConfig(max_seq_len=1024))

@@ -63,7 +63,7 @@ class InstantEngine:
         self.dead_reason = None
 
     async def generate(self, request: Any) -> list[Any]:
-        from art_nb.engines.base import Sample
+        from art_nb.local.engines.base import Sample
 
         n = min(request.params.max_tokens, TOKENS)
         return [Sample(self.ids[:n], self.logprobs[:n], "length") for _ in range(request.params.n)]
@@ -85,7 +85,7 @@ class Registry:
         self.engine = engine
 
     async def resolve(self, model_name: str) -> Any:
-        from art_nb.server import ServedModel
+        from art_nb.local.server import ServedModel
 
         if model_name != "agent":
             raise KeyError(model_name)
@@ -163,8 +163,8 @@ class Bench:
         from transformers import AutoTokenizer
 
         self.transport = transport
-        from art_nb.backends.local.loop import BackgroundLoop
-        from art_nb.server import InferenceGate, create_app, start_server
+        from art_nb.local.loop import BackgroundLoop
+        from art_nb.local.server import InferenceGate, create_app, start_server
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.loop = BackgroundLoop("bench-server")

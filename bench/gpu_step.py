@@ -296,7 +296,7 @@ def same_graphs_for_trl(args: argparse.Namespace) -> dict[str, Any]:
     TRL builds it with, adding art_nb's compile / CUDA-graph keywords. Returns what was added, and where."""
     import importlib
 
-    from art_nb.engines.vllm_plan import engine_args
+    from art_nb.local.engines.vllm.args import engine_args
 
     added = graph_kwargs(engine_args(args.model, art_config(args), cuda()).kwargs)
     for name in ("trl.generation.vllm_generation", "trl.trainer.grpo_trainer"):  # TRL 1.15, then older

@@ -3,7 +3,7 @@
 Same model, same prompts (tic-tac-toe first turns on random boards, rendered with the chat template
 exactly as the endpoint renders them), same sampling (temperature 1, a seed per request, fixed output
 length: `ignore_eos` + `max_tokens`), for 8, 64 and 256 concurrent requests, and the SAME engine
-arguments: both sides take them from `art_nb.engines.vllm_plan.engine_args` for one vLLM start-up
+arguments: both sides take them from `art_nb.local.engines.vllm.args.engine_args` for one vLLM start-up
 mode (`--startup fast eager` runs each mode in turn: "fast" = full CUDA graphs for decode without
 torch.compile, art_nb's default; "compiled" = vLLM's default; "eager" = no graphs). Each results file
 also records the setting each engine really ran with (`graph_setting`, read from the built engine).
@@ -300,7 +300,7 @@ def _read(path: Path) -> str:
 def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from art_nb.engines.vllm_plan import engine_args
+    from art_nb.local.engines.vllm.args import engine_args
 
     result: dict[str, Any] = {"startup": args.startup_mode}
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -360,7 +360,7 @@ def plain_vllm(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 
 async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -> dict[str, Any]:
     import art_nb as art
-    from art_nb.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
 
     result: dict[str, Any] = {"startup": args.startup_mode}
     model = art.TrainableModel(name="throughput", project="bench", base_model=str(args.model),

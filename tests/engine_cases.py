@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from art_nb.engines.base import Engine, EngineDeadError, EngineError, GenerationRequest, SamplingParams
+from art_nb.local.engines.base import Engine, EngineDeadError, EngineError, GenerationRequest, SamplingParams
 
 __all__ = ["CASES", "Subject", "case_names", "chat_prompt", "random_lora"]
 

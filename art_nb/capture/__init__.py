@@ -18,6 +18,6 @@ Which tokens train, and when a recording is refused, is decided by `art_nb.grpo.
 from __future__ import annotations
 
 from .calls import CapturedCall, CapturedChoice
-from .scope import capturing, no_capture
+from .context import capturing, no_capture
 
 __all__ = ["CapturedCall", "CapturedChoice", "capturing", "no_capture"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from .body import is_chat_url, parse_call, request_json
 from .calls import CapturedCall
-from .scope import sink
+from .context import sink
 
 __all__ = ["Pending", "begin"]
 

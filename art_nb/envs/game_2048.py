@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from art_nb.trajectory import Trajectory
+from art_nb.trajectories import Trajectory
 
 if TYPE_CHECKING:
     from art_nb.model import Model

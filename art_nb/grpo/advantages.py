@@ -26,7 +26,7 @@ import torch
 
 from ..config import TrainConfig
 from ..records import mean_and_std
-from ..trajectory import Choice, History, Trajectory, TrajectoryGroup
+from ..trajectories import Choice, History, Trajectory, TrajectoryGroup
 from .tokens import TokenizedTrajectory, tokenize_trajectory
 
 __all__ = ["PreparedBatch", "group_advantages", "prepare_batch"]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..sft_config import TrainSFTConfig
-from ..trajectory import Choice, Trajectory
+from ..trajectories import Choice, Trajectory
 from ..types import ProgressCallback
 from .loss import token_logprobs
 from .step import _collate, microbatches

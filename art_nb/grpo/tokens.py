@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..trajectory import Choice, History, Trajectory, template_message
+from ..trajectories import Choice, History, Trajectory, template_message
 from .captured import captured_sequence
 
 __all__ = ["TokenizedTrajectory", "sampled_token_ids", "tokenize_trajectory"]

@@ -1,5 +1,5 @@
-"""`from art_nb.local import LocalBackend`, the import path OpenPipe ART users already write."""
+"""The in-process backend: engine, trainer, checkpoint store and OpenAI endpoint in this kernel."""
 
-from ..backends.local import LocalBackend, TrainingStoppedError
+from .backend import LocalBackend, TrainingStoppedError
 
 __all__ = ["LocalBackend", "TrainingStoppedError"]

@@ -39,7 +39,7 @@ from .state import TIMING_PARTS, TRAINER_PREFIX, RunState
 from .summary import TrainingSummary, load_run_files, summarize
 
 if TYPE_CHECKING:
-    from ..backends.base import Backend
+    from ..backend import Backend
     from ..model import Model
 
 __all__ = ["Dashboard"]

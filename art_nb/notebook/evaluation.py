@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..trajectory import Trajectory
+    from ..trajectories import Trajectory
 
 __all__ = ["Comparison", "compare"]
 

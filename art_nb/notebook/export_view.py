@@ -1,6 +1,6 @@
 """How an export is shown in a notebook: paths, a download link, and on Colab the browser download itself.
 
-`art_nb.export` only writes files; this module is the presenter for the notebook's last cell.
+`art_nb.local.export` only writes files; this module is the presenter for the notebook's last cell.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..export import ExportResult
+from ..local.export import ExportResult
 from .hardware import in_colab
 
 __all__ = ["ExportView", "show_export"]

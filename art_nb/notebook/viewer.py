@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..store import read_jsonl, trajectory_files
 
 if TYPE_CHECKING:
-    from ..trajectory import Trajectory
+    from ..trajectories import Trajectory
 
 __all__ = [
     "TrajectoryView",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..model import Model
-from ..trajectory import Trajectory, TrajectoryGroup
+from ..trajectories import Trajectory, TrajectoryGroup
 from . import ruler_cache
 from .ruler_judge import Judge, resolve_judge
 from .ruler_prompt import (

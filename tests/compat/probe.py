@@ -214,7 +214,7 @@ def _() -> None:
 
 @check("Trajectory(additional_histories=[History(...)])")
 def _() -> None:
-    from art_nb.trajectory import History
+    from art_nb.trajectories import History
 
     art.Trajectory(additional_histories=[History(messages_and_choices=[{"role": "user", "content": "x"}])])
 

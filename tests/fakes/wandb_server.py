@@ -28,9 +28,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from art_nb.backends.serverless import ArtifactRef
+from art_nb.local.server import RunningServer, start_server
 from art_nb.secrets import Secret
-from art_nb.server import RunningServer, start_server
+from art_nb.serverless import ArtifactRef
 
 _MODEL_NAME = re.compile(r"^wandb-artifact:///([^/]+)/([^/]+)/([^/:]+)(?::step(\d+))?$")
 

@@ -139,7 +139,7 @@ def tiny_trainable(name: str, model_path: Path, **config: Any) -> Any:
 async def rollout(model: Any, seed: int, max_tokens: int = 6, turns: int = 1) -> Any:
     """A short conversation with the served model; the reward varies with what it said."""
     import art_nb as art
-    from art_nb.trajectory import Choice, choice_to_message
+    from art_nb.trajectories import Choice, choice_to_message
 
     client = model.openai_client()
     items: list[Any] = list(PROMPT)

@@ -22,7 +22,7 @@ class OneModel:
 
 
 async def _serve(key: str) -> None:
-    from art_nb.server import InferenceGate, create_app, start_server
+    from art_nb.local.server import InferenceGate, create_app, start_server
 
     server = await start_server(create_app(OneModel(), InferenceGate(), api_key=key))
     print(server.port, flush=True)

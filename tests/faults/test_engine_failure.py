@@ -16,7 +16,7 @@ import openai
 import pytest
 
 import art_nb as art
-from art_nb.engines.base import EngineDeadError
+from art_nb.local.engines.base import EngineDeadError
 from faults.conftest import gather_groups, rollout, tiny_trainable
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,8 @@ async def test_a_dead_engine_fails_requests_at_once_and_reregistering_recovers(s
 
     # The replacement plans from the memory snapshot its predecessor was planned from at register (a vLLM
     # engine's: read afterwards, the resident trainer would be counted twice). Here: the wiring, with a marker.
-    from art_nb.backends.local import runtime as runtime_module
-    from art_nb.engines import vllm_plan
+    from art_nb.local import runtime as runtime_module
+    from art_nb.local.engines.vllm import args as vllm_plan
 
     key = next(k for k, e in backend._runtime.engines.items() if e is dead)
     marker = (1, 2, 3, "register-time snapshot")
@@ -128,8 +128,8 @@ async def test_vllm_failing_on_a_t4_falls_back_to_the_transformers_engine_at_reg
     goes on with the transformers engine and says why (here: a plan as on a T4, on this CPU; vLLM's start fails)."""
     from dataclasses import replace
 
-    from art_nb import plan as plan_module
-    from art_nb.backends.local import runtime as runtime_module
+    from art_nb.local import plan as plan_module
+    from art_nb.local import runtime as runtime_module
 
     plan_for = plan_module.plan_for
     monkeypatch.setattr(plan_module, "plan_for", lambda config: replace(
@@ -143,7 +143,7 @@ async def test_vllm_failing_on_a_t4_falls_back_to_the_transformers_engine_at_reg
         return await create(plan, path, config)
 
     monkeypatch.setattr(runtime_module, "_create_engine", vllm_fails)
-    monkeypatch.setattr("art_nb.engines.startup.import_vllm", lambda: None)  # not installed here: fail at the start
+    monkeypatch.setattr("art_nb.local.engines.vllm.startup.import_vllm", lambda: None)  # not installed here: fail at the start
     backend = art.LocalBackend(path=tmp_path)
     model = tiny_trainable("t4-fallback", tiny_model_dir, engine="auto")
     try:

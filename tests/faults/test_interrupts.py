@@ -1,6 +1,6 @@
 """Interrupts during gather and during training: the step finishes or is abandoned cleanly.
 
-What interrupting does (the choice, made in art_nb/backends/local/backend.py):
+What interrupting does (the choice, made in art_nb/local/backend.py):
 - a gather: the rollouts are cancelled, `CancelledError` / `KeyboardInterrupt` propagates, and no
   interrupted rollout counts against `max_exceptions`;
 - a train step before the trainer has it (waiting for requests to drain): cancelled, nothing ran;
@@ -17,10 +17,9 @@ of a worker process.
 
 from __future__ import annotations
 
-import json
-
 import asyncio
 import gc
+import json
 import signal
 import threading
 import time

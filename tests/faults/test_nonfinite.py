@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import art_nb as art
-from art_nb.backends.local import TrainingStoppedError
+from art_nb.local import TrainingStoppedError
 from art_nb.store import CheckpointError
 from faults.conftest import adapter_equals_checkpoint, gather_groups, rollout, tiny_trainable
 

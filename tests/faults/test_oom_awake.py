@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from art_nb.engines.vllm import VLLMEngine
-from art_nb.engines.vllm_thread import VLLMThread
+from art_nb.local.engines.vllm.engine import VLLMEngine
+from art_nb.local.engines.vllm.thread import VLLMThread
 
 
 class FakeCore:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import art_nb as art
-from art_nb.backends.local import runtime as runtime_module
+from art_nb.local import runtime as runtime_module
 from art_nb.store import StoreLockedError
 from faults.conftest import gather_groups, tiny_trainable
 

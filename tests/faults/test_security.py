@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import art_nb as art
-from art_nb.backends.local.runtime import _RUNTIMES
+from art_nb.local.runtime import _RUNTIMES
 from art_nb.store import CheckpointError
 from faults.conftest import gather_groups, tiny_trainable
 

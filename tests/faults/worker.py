@@ -83,9 +83,9 @@ def install_kill_points() -> None:
     import safetensors.torch
     import torch
 
-    from art_nb.engines.hf import HFEngine
+    from art_nb.local.engines.hf.engine import HFEngine
+    from art_nb.local.trainers.peft_trainer import PeftTrainer
     from art_nb.store import ModelStore
-    from art_nb.trainers.peft import PeftTrainer
 
     def torn_append(path: Path, records: list[dict[str, Any]], name: str) -> None:
         """What a crash mid-append leaves (power loss, full disk): half the text, no newline."""
@@ -241,7 +241,7 @@ def make_model(model_dir: Path) -> Any:
 
 def rollout_fn() -> Any:
     import art_nb as art
-    from art_nb.trajectory import Choice, choice_to_message
+    from art_nb.trajectories import Choice, choice_to_message
 
     # One request at a time: a sampled token then never depends on its batch neighbours, so a
     # resumed run replays exactly what an uninterrupted one sampled.
@@ -480,11 +480,11 @@ def preload() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
     import uvicorn  # noqa: F401
 
-    import art_nb.backends.local  # noqa: F401
-    import art_nb.engines.hf  # noqa: F401
     import art_nb.grpo  # noqa: F401
-    import art_nb.server  # noqa: F401
-    import art_nb.trainers.peft  # noqa: F401
+    import art_nb.local  # noqa: F401
+    import art_nb.local.engines.hf.engine  # noqa: F401
+    import art_nb.local.server  # noqa: F401
+    import art_nb.local.trainers.peft_trainer  # noqa: F401
     import faults.tiny  # noqa: F401
 
 
@@ -498,7 +498,7 @@ def child(command: dict[str, Any]) -> None:
     except BaseException:  # noqa: BLE001 - reported through the exit code and stderr
         traceback.print_exc()
     finally:
-        from art_nb.backends.local.runtime import finish_checkpoints
+        from art_nb.local.runtime import finish_checkpoints
 
         finish_checkpoints()  # what interpreter exit would run (os._exit skips it)
         sys.stdout.flush()
@@ -525,7 +525,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["run"] and len(sys.argv) >= 5:
         run({"scenario": sys.argv[2], "run_dir": sys.argv[3], "model_dir": sys.argv[4],
              "kill": sys.argv[5] if len(sys.argv) > 5 else None})
-        from art_nb.backends.local.runtime import finish_checkpoints
+        from art_nb.local.runtime import finish_checkpoints
 
         finish_checkpoints()  # what interpreter exit would run
         os._exit(0)  # the backend's threads are daemons; do not wait for them

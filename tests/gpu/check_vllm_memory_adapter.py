@@ -34,9 +34,9 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
     from engine_check import handover_timings, lora_r16, weights_of
 
     from art_nb.config import LoraConfig, ModelConfig
-    from art_nb.engines.base import GenerationRequest, SamplingParams
-    from art_nb.engines.vllm import VLLMEngine
-    from art_nb.versions import installed_version
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.vllm.engine import VLLMEngine
+    from art_nb.local.versions import installed_version
 
     result: dict[str, Any] = {"vllm": installed_version("vllm"), "model": str(model_dir), "checks": {}}
     work = out / "vllm_memory_adapter_work"
@@ -106,7 +106,7 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
 
 async def step_gaps(engine: Any, prompt: list[int]) -> dict[str, Any]:
     """Time between the end of one step() and the start of the next while 8 requests decode 128 tokens."""
-    from art_nb.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
 
     core, marks = engine._engine, []
     step = core.step

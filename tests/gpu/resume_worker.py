@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import art_nb as art
-from art_nb.engines.base import GenerationRequest, SamplingParams
+from art_nb.local.engines.base import GenerationRequest, SamplingParams
 
 from .test_gpu_path import NAME, make_model
 

@@ -28,7 +28,7 @@ def build(model_dir: Path, four_bit: bool):
     import torch
 
     import art_nb as art
-    from art_nb.trainers.peft import PeftTrainer
+    from art_nb.local.trainers.peft_trainer import PeftTrainer
 
     config = art.ModelConfig(engine="hf", trainer="peft", load_in_4bit=four_bit, max_seq_len=512,
                              lora=art.LoraConfig(rank=8, alpha=16))

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 import art_nb as art
-from art_nb.engines.base import EngineError, GenerationRequest, SamplingParams
 from art_nb.envs.tic_tac_toe import TicTacToeScenario, rollout
+from art_nb.local.engines.base import EngineError, GenerationRequest, SamplingParams
 
 from .conftest import record
 
@@ -103,7 +103,7 @@ def prompt_ids(backend: art.LocalBackend) -> list[int]:
 @in_loop
 async def test_engine_and_trainer_start(stack):
     backend, model, _ = stack
-    from art_nb.engines.vllm import VLLMEngine
+    from art_nb.local.engines.vllm.engine import VLLMEngine
 
     state = runtime_state(backend)
     assert isinstance(state.engine, VLLMEngine)

@@ -13,16 +13,16 @@ import pytest_asyncio
 import torch
 
 from art_nb.config import ModelConfig
-from art_nb.engines.base import (
+from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+from art_nb.local.engines.base import (
     ContextTooLongError,
     EngineDeadError,
     EngineError,
     GenerationRequest,
     SamplingParams,
 )
-from art_nb.engines.hf import EngineStats, HFEngine
-from art_nb.models import TINY_MODEL, resolve_base_model
-from art_nb.plan import Plan
+from art_nb.local.engines.hf.engine import EngineStats, HFEngine
+from art_nb.local.plan import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -270,7 +270,7 @@ def in_memory(directory: Path):
 
     from safetensors.torch import load_file
 
-    from art_nb.engines.base import AdapterWeights
+    from art_nb.local.engines.base import AdapterWeights
 
     return AdapterWeights(tensors=load_file(str(directory / "adapter_model.safetensors")),
                           config=json.loads((directory / "adapter_config.json").read_text()))

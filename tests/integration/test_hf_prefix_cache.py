@@ -20,8 +20,8 @@ from engine_cases import random_lora
 from faults.tiny import build_tiny_model
 
 from art_nb.config import ModelConfig
-from art_nb.engines.base import GenerationRequest, Sample, SamplingParams
-from art_nb.engines.hf import EngineStats, HFEngine
+from art_nb.local.engines.base import GenerationRequest, Sample, SamplingParams
+from art_nb.local.engines.hf.engine import EngineStats, HFEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 

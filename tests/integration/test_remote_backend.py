@@ -18,8 +18,8 @@ import pytest
 
 import art_nb as art
 from art_nb import events
-from art_nb.backends import remote as remote_module
-from art_nb.backends.remote import RemoteBackend, RemoteBackendError
+from art_nb.remote import client as remote_module
+from art_nb.remote.client import RemoteBackend, RemoteBackendError
 
 pytestmark = pytest.mark.slow
 

@@ -17,14 +17,10 @@ from test_remote_backend import TINY, TOKEN, ServeProcess
 
 import art_nb as art
 from art_nb import events
-from art_nb.backends.remote import (
-    RemoteBackend,
-    RemoteBackendError,
-    RemoteTrainingError,
-)
-from art_nb.backends.serve import create_serve_app
+from art_nb.local.server import start_server
+from art_nb.remote.client import RemoteBackend, RemoteBackendError, RemoteTrainingError
+from art_nb.remote.serve import create_serve_app
 from art_nb.secrets import Secret
-from art_nb.server import start_server
 from art_nb.types import TrainResult
 
 PROMPT = [{"role": "user", "content": "What is the secret word?"}]

@@ -3,7 +3,7 @@ again, and when it goes. Pure bookkeeping, no model; tests/integration/test_hf_e
 
 from __future__ import annotations
 
-from art_nb.engines.hf_batch import AdapterTable
+from art_nb.local.engines.hf.batch import AdapterTable
 
 
 def test_a_retired_slot_from_memory_is_kept_and_refilled_for_the_same_config_only() -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from art_nb.config import TrainConfig
 from art_nb.grpo.advantages import group_advantages, prepare_batch
 from art_nb.records import mean_and_std, summarize
-from art_nb.trajectory import Trajectory, TrajectoryGroup
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 
 
 def test_group_advantages_use_the_population_std():

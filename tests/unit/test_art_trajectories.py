@@ -14,7 +14,7 @@ import art_nb as art
 from art_nb import events
 from art_nb.records import best_step, record_groups, unrecorded
 from art_nb.store import ModelStore
-from art_nb.trajectory import History, RolloutException
+from art_nb.trajectories import History, RolloutException
 from art_nb.utils import iterate_dataset, limit_concurrency, retry, strip_logprobs
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": "{}"}}

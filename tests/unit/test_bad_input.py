@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import CHATML_TEMPLATE, build_chatml_tokenizer, make_choice
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import art_nb as art
-from art_nb.records import summarize, trajectory_record
 from art_nb.grpo.advantages import prepare_batch
+from art_nb.records import summarize, trajectory_record
 from art_nb.store import ModelStore, check_name
-from art_nb.trajectory import check_groups
-from conftest import CHATML_TEMPLATE, build_chatml_tokenizer, make_choice
+from art_nb.trajectories import check_groups
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ROLES = {"system", "developer", "user", "assistant", "tool"}

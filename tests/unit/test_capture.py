@@ -22,10 +22,10 @@ import pytest_asyncio
 import requests
 
 import art_nb as art
-from art_nb.engines.base import GenerationRequest, Sample
 from art_nb.grpo.captured import CaptureRefused
 from art_nb.grpo.tokens import tokenize_trajectory
-from art_nb.server import InferenceGate, ServedModel, create_app, start_server
+from art_nb.local.engines.base import GenerationRequest, Sample
+from art_nb.local.server import InferenceGate, ServedModel, create_app, start_server
 from tests.conftest import CHATML_TEMPLATE, build_chatml_tokenizer, char_ids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -257,7 +257,7 @@ async def test_non_canonical_sampled_ids_stay_as_sampled(srv: Any) -> None:
 
 
 async def test_a_captured_trajectory_crosses_the_wire_and_refuses_mixing_with_messages(srv: Any) -> None:
-    from art_nb.backends._http import trajectory_from_wire, trajectory_to_wire
+    from art_nb.remote.wire import trajectory_from_wire, trajectory_to_wire
 
     t = await art.trajectory(two_turns_openai(srv))
     back = trajectory_from_wire(json.loads(json.dumps(trajectory_to_wire(t))))

@@ -1,4 +1,4 @@
-"""Prompt tokenising piece by piece (art_nb.server.encode) gives exactly the ids of the whole call.
+"""Prompt tokenising piece by piece (art_nb.local.server.encode) gives exactly the ids of the whole call.
 
 The cache is only worth having if it is exact: every case compares with
 `tokenizer(text, add_special_tokens=False)["input_ids"]`, on first use and on cache hits, and the
@@ -15,8 +15,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from art_nb.server import encode as encode_module
-from art_nb.server.encode import encode
+from art_nb.local.server import encode as encode_module
+from art_nb.local.server.encode import encode
 
 TEXTS = [
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nA1 or B2?<|im_end|>\n<|im_start|>assistant\n",
@@ -92,7 +92,7 @@ def test_a_mismatch_on_first_use_switches_the_cache_off(caplog: pytest.LogCaptur
     encode_module._ENCODERS[tokenizer] = forced
     text = "ab</s>cd"
     assert forced.encode(text) != whole(tokenizer, text)  # the forced encoder really is wrong here
-    with caplog.at_level(logging.WARNING, logger="art_nb.server.encode"):
+    with caplog.at_level(logging.WARNING, logger="art_nb.local.server.encode"):
         assert encode(tokenizer, text) == whole(tokenizer, text)
     assert "tokenising whole prompts from now on" in caplog.text
     assert encode_module._ENCODERS[tokenizer] is None

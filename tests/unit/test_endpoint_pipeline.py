@@ -1,4 +1,4 @@
-"""The per-request shortcuts of art_nb.server.pipeline and stream keep what a response says."""
+"""The per-request shortcuts of art_nb.local.server.pipeline and stream keep what a response says."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import asyncio
 import json
 import math
 
-from art_nb.engines.base import Sample
-from art_nb.server.pipeline import _clamped, completion
-from art_nb.server.schema import ChatCompletionRequest
-from art_nb.server.stream import sse_events, stream_chunks
+from art_nb.local.engines.base import Sample
+from art_nb.local.server.pipeline import _clamped, completion
+from art_nb.local.server.schema import ChatCompletionRequest
+from art_nb.local.server.stream import sse_events, stream_chunks
 
 
 def test_logprobs_are_clamped_only_when_one_is_below_the_floor() -> None:

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from art_nb.export import ExportResult, export_adapter, find_hub_token
+from art_nb.local.export import ExportResult, export_adapter, find_hub_token
 
 SECRET = "hf_do_not_print_me_0123456789"
 
@@ -76,9 +76,9 @@ def test_adapter_dir_and_zip_load_with_peft(checkpoint, tmp_path):
 
 
 def test_base_model_named_in_the_adapter_is_the_users_hub_id(checkpoint, tmp_path, monkeypatch):
-    import art_nb.export
+    import art_nb.local.export
 
-    monkeypatch.setattr(art_nb.export, "_local_base_dir", lambda base_model: None)  # no hub lookup in a unit test
+    monkeypatch.setattr(art_nb.local.export, "_local_base_dir", lambda base_model: None)  # no hub lookup in a unit test
     _, ckpt = checkpoint
     result = export_adapter(ckpt, tmp_path, name="m", base_model="HuggingFaceTB/SmolLM2-135M-Instruct", make_zip=False)
     config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
@@ -184,17 +184,17 @@ class _Trained:
 
 
 async def test_export_model_waits_for_the_served_checkpoint(checkpoint, tmp_path, monkeypatch):
-    import art_nb.export
+    import art_nb.local.export
     from art_nb import TrainableModel
 
-    monkeypatch.setattr(art_nb.export, "_local_base_dir", lambda base_model: None)
+    monkeypatch.setattr(art_nb.local.export, "_local_base_dir", lambda base_model: None)
     _, ckpt = checkpoint
     model = TrainableModel(name="ttt", base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
     backend = _Trained(ckpt.parent.parent, 3)
-    result = await art_nb.export.export_model(model, backend, tmp_path, make_zip=False)
+    result = await art_nb.local.export.export_model(model, backend, tmp_path, make_zip=False)
     assert backend.waited == 1 and result.step == 3 and result.adapter_dir == tmp_path / "ttt-step3-lora"
     with pytest.raises(FileNotFoundError, match=r"no checkpoint 7 .*\(there: \[3\]\).*pull_checkpoint"):
-        await art_nb.export.export_model(model, backend, tmp_path, step=7)
+        await art_nb.local.export.export_model(model, backend, tmp_path, step=7)
 
 
 def test_bad_inputs_are_refused_with_a_fix(checkpoint, tmp_path):

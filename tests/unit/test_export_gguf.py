@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from test_export import checkpoint  # noqa: F401 - the tiny base model + LoRA checkpoint fixture
 
-from art_nb import export_gguf
-from art_nb.export import export_adapter
-from art_nb.export_gguf import convert_to_gguf, find_converter, gguf_type
+from art_nb.local import gguf as export_gguf
+from art_nb.local.export import export_adapter
+from art_nb.local.gguf import convert_to_gguf, find_converter, gguf_type
 
 FAKE_CONVERTER = """
 import json, sys
@@ -141,7 +141,7 @@ def test_a_bad_gguf_type_fails_before_anything_is_written(checkpoint, tmp_path):
 
 
 def test_the_export_view_links_the_gguf(tmp_path, monkeypatch):
-    from art_nb.export import ExportResult
+    from art_nb.local.export import ExportResult
     from art_nb.notebook import export_view
 
     monkeypatch.setattr(export_view, "in_colab", lambda: False)

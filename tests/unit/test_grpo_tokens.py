@@ -9,7 +9,7 @@ import pytest
 from conftest import CHATML_TEMPLATE, build_chatml_tokenizer, char_ids, make_choice
 
 from art_nb.grpo.tokens import tokenize_trajectory
-from art_nb.trajectory import Trajectory, template_message
+from art_nb.trajectories import Trajectory, template_message
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 

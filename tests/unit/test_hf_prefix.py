@@ -10,15 +10,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from art_nb.engines.base import EngineError, SamplingParams
-from art_nb.engines.hf_batch import PREFILL_TOKENS, Job, Row, prefill_chunks
-from art_nb.engines.hf_prefix import (
-    MIN_REUSE_TOKENS,
-    PrefixCache,
-    chunk_inputs,
-    common_prefix,
-    filled_layer,
-)
+from art_nb.local.engines.base import EngineError, SamplingParams
+from art_nb.local.engines.hf.batch import PREFILL_TOKENS, Job, Row, prefill_chunks
+from art_nb.local.engines.hf.prefix import MIN_REUSE_TOKENS, PrefixCache, chunk_inputs, common_prefix, filled_layer
 
 LAYERS, HEADS, DIM = 2, 2, 4
 BYTES_PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # keys and values, float32
@@ -193,7 +187,7 @@ def test_the_gpu_budget_asks_torch_with_a_device_index(monkeypatch) -> None:
 
     import torch
 
-    from art_nb.engines.hf_prefix import CUDA_SHARE, default_budget
+    from art_nb.local.engines.hf.prefix import CUDA_SHARE, default_budget
 
     asked: list[object] = []
 

@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from art_nb.backends.local.loop import BackgroundLoop
-from art_nb.server import InferenceGate, create_app, start_server
+from art_nb.local.loop import BackgroundLoop
+from art_nb.local.server import InferenceGate, create_app, start_server
 from tests.unit.test_server import Registry, ScriptedEngine
 from tests.unit.test_server import tokenizer as tokenizer  # noqa: F401  (the module's fixture)
 

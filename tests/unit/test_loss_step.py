@@ -25,7 +25,7 @@ from art_nb.config import TrainConfig
 from art_nb.grpo.advantages import PreparedBatch, prepare_batch
 from art_nb.grpo.step import grpo_step, microbatches
 from art_nb.porting import train_config
-from art_nb.trajectory import Trajectory, TrajectoryGroup
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 
 LOSSES = ["cispo", "ppo", "dapo", "dr_grpo", "gspo"]
 

@@ -95,24 +95,24 @@ def test_the_cycle_finder_finds_a_planted_circle() -> None:
 
 def test_the_model_handle_imports_no_backend_and_the_protocol_no_model() -> None:
     graph = import_graph()
-    assert not {m for m in graph["art_nb.model"] if m.startswith("art_nb.backends.") and m != "art_nb.backends.base"}
-    assert "art_nb.model" not in graph["art_nb.backends.base"]
+    assert not {m for m in graph["art_nb.model"] if m.startswith("art_nb.backends.") and m != "art_nb.backend"}
+    assert "art_nb.model" not in graph["art_nb.backend"]
     assert "art_nb.store" not in graph["art_nb.model"]
 
 
 # docs/design.md's layers, by module prefix (the longest prefix wins).
 LAYERS = {
     "art_nb._version": 0, "art_nb.types": 0, "art_nb.config": 0, "art_nb.events": 0, "art_nb.secrets": 0,
-    "art_nb.trajectory": 0, "art_nb.store": 0, "art_nb.records": 0, "art_nb.gather": 0, "art_nb.grpo": 0,
+    "art_nb.trajectories": 0, "art_nb.store": 0, "art_nb.records": 0, "art_nb.gather": 0, "art_nb.grpo": 0,
     "art_nb.messages": 0, "art_nb.utils": 0, "art_nb.dev": 0, "art_nb.porting": 0, "art_nb.trajectories": 0,
     "art_nb.capture": 0, "art_nb.scopes": 0,
     "art_nb.sft_config": 0,
-    "art_nb.backends.base": 1, "art_nb.model": 1, "art_nb.reporting": 1,
-    "art_nb.engines": 2, "art_nb.trainers": 2, "art_nb.server": 2, "art_nb.toolcalls": 2, "art_nb.web": 2,
-    "art_nb.memory": 2, "art_nb.versions": 2, "art_nb.models": 2, "art_nb._threads": 2, "art_nb._compat": 2, "art_nb.plan": 2,
-    "art_nb.s3": 2,
+    "art_nb.backend": 1, "art_nb.model": 1, "art_nb.reporting": 1,
+    "art_nb.local.engines": 2, "art_nb.local.trainers": 2, "art_nb.local.server": 2, "art_nb.local.server.toolcalls": 2, "art_nb.web": 2,
+    "art_nb.local.memory": 2, "art_nb.local.versions": 2, "art_nb.local.base_models": 2, "art_nb.local.threads": 2, "art_nb.local.compat": 2, "art_nb.local.plan": 2,
+    "art_nb.local.s3": 2,
     "art_nb.backends": 3,
-    "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.export": 4, "art_nb.export_gguf": 4, "art_nb.datasets_io": 4, "art_nb.demo": 4,
+    "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.local.export": 4, "art_nb.local.gguf": 4, "art_nb.datasets_io": 4, "art_nb.demo": 4,
     "art_nb.cli": 4, "art_nb.serverless": 4, "art_nb.rewards": 4, "art_nb.mcp": 4, "art_nb.langgraph": 4,
 }
 

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from art_nb.backends.local import build as build_module
-from art_nb.backends.local.build import build
-from art_nb.backends.local.phases import PhaseClock
 from art_nb.config import ModelConfig
-from art_nb.engines import startup, vllm_plan
-from art_nb.plan import Plan
-from art_nb.trainers import availability
+from art_nb.local import build as build_module
+from art_nb.local import plan as availability
+from art_nb.local.build import build
+from art_nb.local.engines.vllm import args as vllm_plan
+from art_nb.local.engines.vllm import startup
+from art_nb.local.phases import PhaseClock
+from art_nb.local.plan import Plan
 
 PLAN = Plan(device="cpu", dtype="float32", engine="vllm", trainer="peft", load_in_4bit=False, cpu_threads=None)
 STEP = 0.4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from art_nb.backends.local.phases import PhaseClock
+from art_nb.local.phases import PhaseClock
 
 
 def test_each_phase_is_timed_and_announced_as_it_starts() -> None:

@@ -17,9 +17,14 @@ from openai.types.chat.chat_completion import Choice
 
 import art_nb as art
 from art_nb import cli, events, web
-from art_nb.backends import remote as remote_module
-from art_nb.backends import serve as serve_module
-from art_nb.backends._http import (
+from art_nb.backend import Backend, TrainResult
+from art_nb.local import LocalBackend
+from art_nb.local.server import InferenceGate, create_app, start_server
+from art_nb.remote import client as remote_module
+from art_nb.remote import serve as serve_module
+from art_nb.remote.client import RemoteBackend, RemoteBackendError, RemoteTrainingError
+from art_nb.remote.serve import _resolve_token, create_serve_app, is_loopback
+from art_nb.remote.wire import (
     RetryPolicy,
     group_from_wire,
     group_to_wire,
@@ -29,16 +34,7 @@ from art_nb.backends._http import (
     trajectory_to_wire,
     version_mismatch,
 )
-from art_nb.backends.base import Backend, TrainResult
-from art_nb.backends.local import LocalBackend
-from art_nb.backends.remote import (
-    RemoteBackend,
-    RemoteBackendError,
-    RemoteTrainingError,
-)
-from art_nb.backends.serve import _resolve_token, create_serve_app, is_loopback
 from art_nb.secrets import Secret
-from art_nb.server import InferenceGate, create_app, start_server
 
 TOKEN = "serve-token-5be0c1d94f"
 PROMPT = [{"role": "user", "content": "Say a colour."}]

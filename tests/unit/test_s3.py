@@ -11,7 +11,7 @@ s3fs = pytest.importorskip("s3fs", reason="the s3 extra (pip install art-nb[s3])
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (in the dev extra) is not installed")
 
 import art_nb as art
-from art_nb import s3
+from art_nb.local import s3
 from art_nb.store import ModelStore
 
 

@@ -21,14 +21,8 @@ import pytest_asyncio
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from art_nb.engines.base import (
-    ContextTooLongError,
-    EngineDeadError,
-    EngineError,
-    GenerationRequest,
-    Sample,
-)
-from art_nb.server import InferenceGate, RunningServer, ServedModel, create_app, start_server
+from art_nb.local.engines.base import ContextTooLongError, EngineDeadError, EngineError, GenerationRequest, Sample
+from art_nb.local.server import InferenceGate, RunningServer, ServedModel, create_app, start_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -13,9 +13,9 @@ from fakes.wandb_server import FakeArtifacts, FakeWandbServer
 
 import art_nb as art
 from art_nb import events
-from art_nb.backends._http import RetryPolicy
-from art_nb.backends.serverless import ServerlessBackend, ServerlessError, TrainingJobFailed
+from art_nb.remote.wire import RetryPolicy
 from art_nb.secrets import MissingSecretError
+from art_nb.serverless import ServerlessBackend, ServerlessError, TrainingJobFailed
 
 KEY = "wandb-test-key-8c1f2e9a7b5d"  # must never show up in any output
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
@@ -236,7 +236,7 @@ async def test_handoff_from_the_source_backend_waits_for_its_checkpoint(fake, tm
 
 
 async def test_the_whole_backend_protocol(fake, tmp_path, chatml_tokenizer):
-    from art_nb.backends.base import Backend
+    from art_nb.backend import Backend
 
     backend, model = backend_for(fake, tmp_path), make_model()
     assert isinstance(backend, Backend)
@@ -318,7 +318,7 @@ async def test_art_style_train_arguments_reach_the_job(fake, tmp_path, chatml_to
 
 
 def test_losses_the_service_has_no_name_for_are_refused_before_sending() -> None:
-    from art_nb.backends.serverless.api import experimental_config
+    from art_nb.serverless.api import experimental_config
 
     assert experimental_config(art.TrainConfig(loss="ppo"))["ppo"] is True
     for loss in ("dapo", "dr_grpo", "gspo"):

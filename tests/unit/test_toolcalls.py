@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from art_nb.server.toolcalls import parse_tool_calls
+from art_nb.local.server.toolcalls import parse_tool_calls
 
 
 def test_plain_text_is_untouched() -> None:

@@ -17,13 +17,13 @@ import torch
 from conftest import make_choice
 from faults.tiny import build_tiny_model, tiny_model_config
 
-from art_nb import plan as plan_module
-from art_nb.plan import Plan, compute_dtype, plan_for
-from art_nb.store import TRAINER_STATE
 from art_nb.config import TrainConfig
+from art_nb.local import plan as plan_module
+from art_nb.local.plan import Plan, compute_dtype, plan_for
+from art_nb.local.trainers.peft_trainer import PeftTrainer
 from art_nb.notebook.hardware import Hardware, pick_defaults
-from art_nb.trainers.peft import PeftTrainer
-from art_nb.trajectory import Trajectory, TrajectoryGroup
+from art_nb.store import TRAINER_STATE
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 
 T4 = Hardware(in_colab=True, cpu_count=2, gpu_name="Tesla T4", gpu_capability=(7, 5), gpu_memory_gib=15.0,
               vllm_version="0.25.0", unsloth_installed=True)

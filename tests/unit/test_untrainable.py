@@ -11,7 +11,7 @@ import pytest
 from conftest import make_choice
 
 from art_nb.records import UNTRAINABLE_FIX, check_trainable
-from art_nb.trajectory import Trajectory, TrajectoryGroup
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 
 PROMPT = [{"role": "user", "content": "Say a colour."}]
 
@@ -58,7 +58,7 @@ def test_some_dict_turns_are_counted_not_refused(chatml_tokenizer):
 
 
 def test_a_choice_in_an_additional_history_makes_the_trajectory_trainable(chatml_tokenizer):
-    from art_nb.trajectory import History
+    from art_nb.trajectories import History
 
     sub = History(messages_and_choices=[*PROMPT, make_choice(chatml_tokenizer, "red")])
     trajectory = pasted("blue", 1.0)

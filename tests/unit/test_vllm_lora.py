@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from art_nb.engines.base import AdapterWeights, EngineError
-from art_nb.engines.vllm_lora import install, spill
+from art_nb.local.engines.base import AdapterWeights, EngineError
+from art_nb.local.engines.vllm.lora import install, spill
 
 
 class FakeLLMEngine:
@@ -62,7 +62,7 @@ def test_ids_not_held_go_to_vllms_own_loader_once_however_often_installed() -> N
 
 
 def test_held_ids_are_built_from_tensors_not_read_from_disk(monkeypatch) -> None:
-    from art_nb.engines import vllm_lora
+    from art_nb.local.engines.vllm import lora as vllm_lora
 
     manager = FakeManager()
     engine = FakeLLMEngine(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
@@ -97,7 +97,7 @@ def test_install_hands_the_shared_dict_to_the_worker() -> None:
 
 
 def test_copies_for_vllm_are_in_the_lora_dtype_packed_and_not_shared_with_the_trainer() -> None:
-    from art_nb.engines.base import packed_copies
+    from art_nb.local.engines.base import packed_copies
 
     tensors = {"a": torch.randn(16, 8), "b": torch.randn(8, 16).t(), "c": torch.randn(3, dtype=torch.float64)}
     copies = packed_copies(tensors, to_host=True, pinned=True, dtype=torch.bfloat16)  # as vllm_lora asks (pinned: on a GPU)
@@ -115,7 +115,7 @@ def test_on_host_gives_host_tensors_and_refuses_nonfinite_ones() -> None:
     tensors = {"x": torch.ones(2, 3), "y": torch.zeros(4, dtype=torch.bfloat16)}
     weights = AdapterWeights(tensors=tensors, config={})
     assert all(torch.equal(weights.on_host()[k], v) for k, v in tensors.items())
-    from art_nb.engines.base import packed_copies
+    from art_nb.local.engines.base import packed_copies
 
     packed = packed_copies(tensors, to_host=True, what="adapter weights")
     assert packed["x"].data_ptr() != tensors["x"].data_ptr() and torch.equal(packed["x"], tensors["x"])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from art_nb.config import LoraConfig, ModelConfig
-from art_nb.engines.base import EngineError
-from art_nb.engines.vllm_plan import VLLMSetup, engine_args
-from art_nb.memory import GiB
+from art_nb.local.engines.base import EngineError
+from art_nb.local.engines.vllm.args import VLLMSetup, engine_args
+from art_nb.local.memory import GiB
 
 SMOL_PARAMS = 134_515_008
 H200 = (140 * GiB, 141 * GiB)  # (free, total)
@@ -83,7 +83,7 @@ def test_no_engine_module_imports_the_trainers():
 
 @pytest.mark.parametrize("has_bnb", [True, False])
 def test_a_4bit_trainer_gets_a_4bit_sampler_where_vllm_can_quantise(tmp_path, monkeypatch, has_bnb):
-    from art_nb.engines import vllm_plan
+    from art_nb.local.engines.vllm import args as vllm_plan
 
     monkeypatch.setattr(vllm_plan, "bitsandbytes_missing", lambda: None if has_bnb else "bitsandbytes is not installed")
     model = fake_model_dir(tmp_path / "m")

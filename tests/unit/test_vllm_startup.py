@@ -7,15 +7,11 @@ import pytest
 from test_vllm_plan import H200, fake_model_dir
 
 from art_nb.config import ModelConfig
-from art_nb.engines import startup, vllm_plan
-from art_nb.engines.startup import (
-    capture_sizes,
-    compilation_fields,
-    startup_kwargs,
-    startup_mode,
-)
-from art_nb.engines.vllm_plan import engine_args, planned_memory
-from art_nb.memory import GiB
+from art_nb.local.engines.vllm import args as vllm_plan
+from art_nb.local.engines.vllm import startup
+from art_nb.local.engines.vllm.args import engine_args, planned_memory
+from art_nb.local.engines.vllm.startup import capture_sizes, compilation_fields, startup_kwargs, startup_mode
+from art_nb.local.memory import GiB
 
 
 @pytest.fixture(autouse=True)

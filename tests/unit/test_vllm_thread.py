@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from art_nb.engines.vllm_thread import VLLMThread
+from art_nb.local.engines.vllm.thread import VLLMThread
 
 
 @dataclass

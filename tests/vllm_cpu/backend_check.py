@@ -49,11 +49,7 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         save("served_before", {"model": before.model, "text": before.choices[0].message.content})
 
         # Requests in flight when vLLM dies: the step that raises fails every one of them.
-        from art_nb.engines.base import (
-            EngineDeadError,
-            GenerationRequest,
-            SamplingParams,
-        )
+        from art_nb.local.engines.base import EngineDeadError, GenerationRequest, SamplingParams
 
         prompt = first.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)

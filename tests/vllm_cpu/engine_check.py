@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python tests/vllm_cpu/engine_check.py MODEL_DIR RESULT.json
 
-MODEL_DIR: a transformers folder (the main suite passes SmolLM2 from art_nb.models). Each check
+MODEL_DIR: a transformers folder (the main suite passes SmolLM2 from art_nb.local.base_models). Each check
 appends to RESULT.json as it goes; the pytest wrapper (test_vllm_engine_cpu.py) asserts on it, so
 a failure names the check. Also compares vLLM's logprobs with transformers' at temperature 1: the
 engine must return raw logprobs, not temperature-scaled ones. Ends with the Engine protocol's shared
@@ -52,7 +52,7 @@ def weights_of(directory: Path) -> Any:
     """The adapter in `directory` as the trainer hands it over: its tensors and config, in memory."""
     from safetensors.torch import load_file
 
-    from art_nb.engines.base import AdapterWeights
+    from art_nb.local.engines.base import AdapterWeights
 
     return AdapterWeights(tensors=load_file(str(directory / "adapter_model.safetensors")),
                           config=json.loads((directory / "adapter_config.json").read_text()))
@@ -60,7 +60,7 @@ def weights_of(directory: Path) -> Any:
 
 async def handover_timings(engine: Any, weights: Any, later: Path, work: Path, repeats: int) -> dict[str, list[float]]:
     """ms per adapter hand-over, `repeats` times: from memory, vs writing the files (`spill`) and loading them."""
-    from art_nb.engines.vllm_lora import spill
+    from art_nb.local.engines.vllm.lora import spill
 
     timings: dict[str, list[float]] = {"memory_ms": [], "write_ms": [], "disk_ms": []}
     for i in range(repeats):
@@ -96,13 +96,8 @@ def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapt
 
 async def main(model_dir: Path, result_path: Path) -> None:
     from art_nb.config import LoraConfig, ModelConfig
-    from art_nb.engines.base import (
-        ContextTooLongError,
-        EngineError,
-        GenerationRequest,
-        SamplingParams,
-    )
-    from art_nb.engines.vllm import VLLMEngine
+    from art_nb.local.engines.base import ContextTooLongError, EngineError, GenerationRequest, SamplingParams
+    from art_nb.local.engines.vllm.engine import VLLMEngine
 
     result: dict[str, Any] = {}
 
@@ -196,7 +191,7 @@ async def main(model_dir: Path, result_path: Path) -> None:
 
 async def step_loop(engine: Any, prompt: list[int], save: Any) -> None:
     """A request that arrives mid-way joins the running one; a cancelled one is aborted in vLLM."""
-    from art_nb.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
 
     core = engine._engine
     steps = [0]

@@ -1,0 +1,182 @@
+"""Every automatic choice for a model, decided once, each with the reason a user is shown.
+
+Device, compute dtype, engine, trainer, 4-bit loading and CPU threads are read from the hardware
+here and nowhere else: engines and trainers receive the `Plan` and do not decide again, so a T4
+cannot get bf16 from one owner and float16 from another. The dtype comes from the compute
+capability, not `torch.cuda.is_bf16_supported()`, which answers True on a T4 (sm75) because torch
+emulates bf16 there, slowly.
+
+`compute_dtype` is pure (no torch) so the notebook defaults use the same rule before torch loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from art_nb.config import ModelConfig
+
+__all__ = ["Plan", "compute_dtype", "cuda_capability", "engine_fallback", "import_unsloth", "plan_for",
+           "unsloth_unavailable_reason"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs where for one model. `reasons` maps each choice to the sentence shown to the user."""
+
+    device: str  # "cuda" or "cpu"
+    dtype: str  # "float32", "bfloat16" or "float16": engine and trainer alike (their logprobs must agree)
+    engine: str  # "hf" or "vllm"
+    trainer: str  # "peft" or "unsloth"
+    load_in_4bit: bool
+    cpu_threads: int | None  # torch intra-op threads on CPU; None on a GPU
+    capability: tuple[int, int] | None = None
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def compute_dtype(requested: str, device: str, capability: tuple[int, int] | None) -> tuple[str, str]:
+    """The dtype to serve and train in, and why: float32 on CPU, bf16 from sm80 (Ampere) on, else float16."""
+    if requested != "auto":
+        return requested, f"{requested}: set in ModelConfig.dtype"
+    if device != "cuda":
+        return "float32", "float32: CPU (bf16 matmuls are slow or emulated on most CPUs)"
+    sm = f"sm{capability[0]}{capability[1]}" if capability else "this GPU"
+    if capability is not None and capability >= (8, 0):
+        return "bfloat16", f"bfloat16: {sm} has native bf16"
+    return "float16", f"float16: {sm} has no native bf16 (torch would emulate it, slowly)"
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The CUDA device's compute capability, or None without torch or a CUDA GPU (imports torch if present)."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
+def plan_for(config: ModelConfig) -> Plan:
+    """Decide everything `config` leaves on "auto" for this machine. Raises for what cannot run here."""
+    capability = cuda_capability()
+    device = "cuda" if capability is not None else "cpu"
+    reasons: dict[str, str] = {}
+    dtype, reasons["dtype"] = compute_dtype(config.dtype, device, capability)
+    engine, reasons["engine"] = _engine(config, capability)
+    trainer, reasons["trainer"] = _trainer(config, device)
+    if config.load_in_4bit:
+        reasons["load_in_4bit"] = _four_bit_reason(device, trainer)
+    threads = None
+    if device == "cpu":
+        from .threads import choose_cpu_threads
+
+        threads, reasons["cpu_threads"] = choose_cpu_threads(config.cpu_threads)
+    return Plan(device, dtype, engine, trainer, config.load_in_4bit, threads, capability, reasons)
+
+
+def _engine(config: ModelConfig, capability: tuple[int, int] | None) -> tuple[str, str]:
+    """vLLM where the GPU and the installed release support it, else transformers (T4: see versions.py)."""
+    if config.engine != "auto":
+        return config.engine, f"{config.engine}: set in ModelConfig.engine"
+    if capability is None:
+        return "hf", "transformers: no CUDA GPU, vLLM needs one"
+    from .versions import gpu_path_for, installed_version
+
+    return gpu_path_for(capability, installed_version("vllm"))
+
+
+def engine_fallback(plan: Plan, config: ModelConfig, error: BaseException) -> Plan | None:
+    """The plan with the transformers engine, where vLLM failed to start on a GPU older than sm80 and
+    the engine was art_nb's choice; None where the error must stand.
+
+    On a T4 the T4 set installs vLLM 0.11.2 (the release Unsloth's notebooks install there), which
+    art_nb has run on vLLM's CPU build but not on a Turing GPU: if it fails there, the notebook goes
+    on with the engine that ran in the T4 configuration rather than stopping at register. On sm80+
+    a vLLM failure is a fault to see, and an engine the user chose is theirs.
+    """
+    if plan.engine != "vllm" or config.engine != "auto" or not isinstance(error, Exception):
+        return None
+    if plan.capability is None or plan.capability >= (8, 0):
+        return None
+    major, minor = plan.capability
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    why = (f"transformers: vLLM failed to start on this sm{major}{minor} GPU ({type(error).__name__}: {first_line}); "
+           "set ModelConfig(engine='vllm') to see the whole error instead")
+    return replace(plan, engine="hf", reasons={**plan.reasons, "engine": why})
+
+
+def _trainer(config: ModelConfig, device: str) -> tuple[str, str]:
+    if config.trainer != "auto":
+        return config.trainer, f"{config.trainer}: set in ModelConfig.trainer"
+    if device != "cuda":
+        return "peft", "peft: no CUDA GPU, Unsloth needs one"
+    reason = unsloth_unavailable_reason()
+    if reason is not None:
+        return "peft", f"peft: {reason}"
+    return "unsloth", "Unsloth: CUDA GPU and a tested Unsloth release"
+
+
+def _four_bit_reason(device: str, trainer: str) -> str:
+    """Why the base can be loaded in 4-bit here; raises where it cannot (better than a silent full-precision load)."""
+    if device != "cuda":
+        raise ValueError(
+            "ModelConfig(load_in_4bit=True) needs a CUDA GPU: 4-bit (NF4) weights come from bitsandbytes, which "
+            "quantises on CUDA only. On this CPU set load_in_4bit=False (a small model fits in float32)."
+        )
+    if trainer == "unsloth":
+        return "4-bit: the trainer's base weights are NF4 (Unsloth's loader)"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(
+            "ModelConfig(load_in_4bit=True) needs bitsandbytes for the peft trainer: pip install bitsandbytes "
+            "(or install Unsloth: pip install 'art-nb[gpu]'), or set load_in_4bit=False"
+        )
+    return ("4-bit: the trainer's linear layers are NF4 (bitsandbytes), computing in the plan's dtype; "
+            "embeddings, norms and lm head stay in it; LoRA weights are float32")
+
+
+_log = logging.getLogger("art_nb")
+
+
+def unsloth_unavailable_reason() -> str | None:
+    """Why the Unsloth trainer cannot run here (shown to the user), or None when it can."""
+    from .versions import VersionError, check_versions
+
+    if importlib.util.find_spec("unsloth") is None:
+        return "Unsloth is not installed (pip install 'art-nb[gpu]')"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "Unsloth needs a CUDA GPU"
+    try:
+        warnings = check_versions("unsloth")
+    except VersionError as exc:
+        return str(exc)
+    for warning in warnings:
+        _log.warning("%s", warning)
+    return None
+
+
+def import_unsloth() -> str:
+    """Import Unsloth before transformers, as it asks; the sentence for the log.
+
+    Unsloth patches transformers' classes as it loads; imported after them it warns "may run
+    slower". Register calls this before vLLM or a trainer imports transformers (trainers/peft.py does
+    at module level). Unsloth imports vLLM too, when installed. Seconds: Unsloth's import is the
+    slowest part of building its trainer.
+    """
+    late = "transformers" in sys.modules and "unsloth" not in sys.modules
+    importlib.import_module("unsloth")
+    if late:  # the kernel imported transformers earlier (a notebook cell, a GGUF conversion): too late to help
+        return "Unsloth imported after transformers (already loaded in this process): it may run slower"
+    return "Unsloth imported before transformers, as it asks"

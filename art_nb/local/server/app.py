@@ -1,0 +1,152 @@
+"""The OpenAI-compatible ASGI app over a backend's engines: GET /v1/models and
+POST /v1/chat/completions (`stream=True` too: server/stream.py).
+
+The backend provides a `ModelRegistry` (which engine and adapter serve a model name) and its
+`InferenceGate`; each request resolves its model and runs the pipeline inside the gate, so a
+request that waited out a train step is answered by the new weights. A request whose client goes
+away is cancelled rather than decoded to `max_tokens` for nobody.
+
+Every request passes `art_nb.web.RequestGuard` (Host, Origin, JSON only, a body of at most
+`max_body` bytes) and `BearerAuth` first. Parsing a large body and rendering its prompt run in a
+worker thread: a megabyte-sized message takes seconds to tokenise, and every other client (and the
+train step waiting at the gate) would wait for the event loop meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from art_nb.secrets import Secret
+from art_nb.web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
+
+from ..engines.base import Engine, Sample
+from .gate import InferenceGate
+from .pipeline import completion, generate, render_prompt, sampling_params
+from .schema import ChatCompletionRequest, validation_error
+from .stream import sse_events, stream_chunks
+
+__all__ = ["CHAT_MAX_BODY", "ModelRegistry", "ServedModel", "create_app"]
+
+T = TypeVar("T")
+CHAT_MAX_BODY = 8 * MB
+_THREADED_RENDER_BYTES = 64 * 1024  # bodies larger than this are rendered in a worker thread
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The engine that serves a model name, and the adapter to use (None: base weights)."""
+
+    engine: Engine
+    adapter: str | None
+    name: str
+
+
+class ModelRegistry(Protocol):
+    def resolve(self, model_name: str) -> ServedModel | Awaitable[ServedModel]:
+        """The model to serve for `model_name` ("{name}" or "{name}@{step}"); KeyError if unknown.
+
+        May be async (e.g. to load an old step's adapter on first use); it is called inside the
+        gate, so such loading never overlaps a train step.
+        """
+        ...
+
+    def list_models(self) -> list[str]: ...
+
+
+def create_app(
+    registry: ModelRegistry, gate: InferenceGate, api_key: str | Secret | None = None, *,
+    allowed_origins: Iterable[str] = (), max_body: int = CHAT_MAX_BODY, body_timeout: float = 120.0,
+) -> Starlette:
+    """The ASGI app over `registry`'s engines; with `api_key`, every request must carry it as a
+    bearer token. `allowed_origins`: browser origins let in cross-site (see `RequestGuard`)."""
+    created = int(time.time())
+
+    async def list_models(request: Request) -> JSONResponse:
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "art_nb"}
+                for name in registry.list_models()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        body = await read_json(request)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        threaded = len(await request.body()) > _THREADED_RENDER_BYTES  # read once, kept by the request
+
+        async def serve() -> tuple[ServedModel, list[int], list[Sample]]:
+            # Resolve inside the gate: a request that waited out a train step gets the new weights.
+            async with gate.serving():
+                try:
+                    served = registry.resolve(req.model)
+                    if inspect.isawaitable(served):
+                        served = await served
+                except KeyError:
+                    raise ApiError(
+                        404, f"model {req.model!r} is not served here; see GET /v1/models",
+                        "model_not_found", param="model",
+                    ) from None
+                engine = served.engine
+                if threaded:
+                    prompt_ids = await asyncio.to_thread(render_prompt, engine.tokenizer, req)
+                else:
+                    prompt_ids = render_prompt(engine.tokenizer, req)
+                params = sampling_params(req, len(prompt_ids), engine.max_context)
+                return served, prompt_ids, await generate(engine, served.adapter, prompt_ids, params)
+
+        served, prompt_ids, samples = await _unless_disconnected(request, serve())
+        body = completion(served.name, prompt_ids, samples, req, served.engine.tokenizer)
+        if req.stream:  # generated whole, sent as chunks (server/stream.py)
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(sse_events(stream_chunks(body, usage)), media_type="text/event-stream")
+        return JSONResponse(body)
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        ],
+        middleware=[
+            Middleware(RequestGuard, allowed_origins=allowed_origins, max_body=max_body, body_timeout=body_timeout),
+            Middleware(BearerAuth, key=api_key or None),
+        ],
+        exception_handlers=error_handlers(),
+    )
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first.
+
+    An interrupted gather closes its connections; without this the engine would go on decoding
+    every orphaned request to `max_tokens` (or hold it at the gate through a train step), delaying
+    whatever the user runs next.
+    """
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():  # the client left, or this handler itself is being cancelled
+            task.cancel()
+    if task.cancelled():
+        raise ApiError(499, "the client closed the connection", "client_closed_request")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,191 @@
+"""The body of POST /v1/chat/completions, validated at the door.
+
+Every field the endpoint cannot honour faithfully is refused with a 400 that says what to send
+instead (`min_tokens > 0`, `tool_choice` other than "auto"/"none", penalties, `logit_bias`, a
+`response_format` other than text, non-text content parts), rather than accepted and silently
+ignored: a rollout that asked for them would otherwise train on samples it did not mean to draw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from art_nb.trajectories import template_message
+from art_nb.web import ApiError
+
+__all__ = ["ChatCompletionRequest", "validation_error"]
+
+_MAX_N = 256
+
+
+class _Function(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class _ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: _Function
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # extra keys go through to the chat template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            return "".join(part["text"] for part in content)
+        return content
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> _Message:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id' (the id of the call it answers)")
+        if self.role != "assistant" and self.content is None:
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The dict a chat template expects: content a string, tool-call arguments objects (as HF
+        templates expect; a JSON string would be rendered quoted)."""
+        return template_message(self.model_dump(exclude_none=True))
+
+
+class _FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class _Tool(BaseModel):
+    type: Literal["function"]
+    function: _FunctionSpec
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of POST /v1/chat/completions. Unknown fields are ignored, as OpenAI clients send
+    several (user, metadata, store) that do not change what is sampled."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(max_length=512)
+    messages: list[_Message] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=_MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch and vLLM seed generators take
+    tools: list[_Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None  # {"include_usage": true} adds a usage chunk
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # Special-token text in content is plain text unless this is set (see art_nb.local.server.prompt).
+    allow_special_tokens_in_content: bool = False
+
+    @field_validator("model")
+    @classmethod
+    def _step_suffix(cls, model: str) -> str:
+        _, at, step = model.rpartition("@")
+        if at and not (step.isascii() and step.isdigit()):
+            raise ValueError(f"after '@' comes a step number in ASCII digits, like 'name@3' (got {step[:20]!r})")
+        return model
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and not all(0 <= i < 2**31 for i in ids):
+            raise ValueError("token ids are integers from 0 to 2**31 - 1")
+        return ids
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # `logprobs` is declared first, so it is validated already
+            raise ValueError("needs logprobs=true, as in OpenAI's API")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "auto", "none"):
+            raise ValueError('only "auto" and "none" are supported; describe the tool to call in the prompt')
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_tokens(cls, value: int) -> int:
+        if value:
+            raise ValueError("only 0 is supported")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties are not supported: they would skew the logprobs training uses")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and any(value.values()):
+            raise ValueError("not supported: a bias would skew the logprobs training uses")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "text") != "text":
+            raise ValueError(f"{value.get('type')!r} is not enforced here (no constrained decoding: it would also "
+                             "change the logprobs training uses); ask for the format in the prompt and parse the reply")
+        return value
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools to show the model; tool_choice="none" hides them (and no calls are parsed)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """One 400 naming every bad field ("messages.0.role: Input should be ...")."""
+    parts, first_param = [], None
+    for err in exc.errors():
+        param = ".".join(str(p) for p in err["loc"]) or None
+        first_param = first_param or param
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{param}: {message}" if param else message)
+    return ApiError(400, "; ".join(parts), param=first_param)

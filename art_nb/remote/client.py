@@ -1,0 +1,362 @@
+"""`RemoteBackend`: the `Backend` protocol over HTTP, against `art-nb serve` on a GPU machine.
+
+The notebook keeps its code: `await model.register(RemoteBackend("http://gpu-box:8000", api_key=...))`
+and rollouts talk to the server's OpenAI endpoint (`/v1`), `train` sends the gathered groups (and
+`train_sft` the demonstrations) and streams the server's progress back into `art_nb.events` (so the
+dashboard moves) and `on_progress`.
+
+Failures say what to do. A refused connection or a stream cut mid-step raises `RemoteBackendError`
+naming the server and the way back: re-run `await model.register(backend)` (a restarted server
+resumes from its last checkpoint) and continue from `await model.get_step()`. `train` is never
+retried automatically (it is not idempotent), nor is `train_sft`; reads are, briefly.
+
+The token comes from `api_key`, a Colab secret or the environment variable `ART_NB_API_KEY`; it is
+never shown (see `art_nb.secrets`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from art_nb import events
+from art_nb._version import __version__
+from art_nb.config import TrainConfig
+from art_nb.porting import train_config
+from art_nb.secrets import Secret, find_secret
+from art_nb.sft_config import TrainSFTConfig
+from art_nb.store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, model_dir
+from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
+from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
+
+from .wire import (
+    VERSION_HEADER,
+    LoopClients,
+    RetryPolicy,
+    group_to_wire,
+    request_with_retries,
+    trajectory_to_wire,
+    version_mismatch,
+)
+
+__all__ = ["API_KEY_ENV", "RemoteBackend", "RemoteBackendError", "RemoteTrainingError"]
+
+API_KEY_ENV = "ART_NB_API_KEY"
+_SHOWN_CHARS = 1000  # of a server's error message, after the key is masked
+
+
+def _client_version() -> str:
+    """This package's version, as sent to the server (a function, so a test can play another version)."""
+    return __version__
+
+
+class RemoteBackendError(RuntimeError):
+    """The server could not be reached, refused the request, or the connection was lost."""
+
+
+class RemoteTrainingError(RemoteBackendError):
+    """The step failed on the server; `error_type` is the server-side exception's class name."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class RemoteBackend:
+    """Serve and train on an `art-nb serve` server. `path` is where downloaded checkpoints go."""
+
+    def __init__(self, base_url: str, api_key: str | Secret | None = None, *, path: str | os.PathLike[str] = ".art",
+                 timeout: float = 60.0, read_timeout: float = 120.0, retry: RetryPolicy | None = None) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.path = Path(path).expanduser().resolve()
+        self.timeout = timeout  # connect/write/pool, and reads of ordinary requests
+        self.read_timeout = read_timeout  # silence tolerated on a stream (the server beats every 5 s)
+        self.retry = retry or RetryPolicy(attempts=4, base_delay=0.5, max_delay=5.0)
+        self._key = find_secret(api_key, name=API_KEY_ENV, required=False)
+        self._clients = LoopClients(self._new_client)
+        self._choices: dict[str, dict[str, str]] = {}
+
+    def __repr__(self) -> str:
+        return f"RemoteBackend({self.base_url!r}, auth={'token' if self._key else 'none'})"
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+
+    def _new_client(self) -> httpx.AsyncClient:
+        headers = {VERSION_HEADER: _client_version()}
+        if self._key is not None:
+            headers["Authorization"] = f"Bearer {self._key.reveal()}"
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+
+    def _client(self) -> httpx.AsyncClient:
+        return self._clients.get()
+
+    def _redact(self, text: str, limit: int = _SHOWN_CHARS) -> str:
+        """`text` with the key and any long piece of it masked, then cut to `limit` characters.
+
+        Masking comes first: a cut through the key would leave a piece that no longer matches the
+        whole key (the probe saw 30 of 40 characters). Only the head that can reach the cut is
+        scanned, so a huge error body costs no more than a short one.
+        """
+        if self._key is None:
+            return text[:limit]
+        head = text[: limit + len(self._key.reveal())]
+        return self._key.redact(head)[:limit]
+
+    def _lost(self, exc: Exception, what: str) -> RemoteBackendError:
+        detail = self._redact(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            return RemoteBackendError(
+                f"cannot reach the art-nb server at {self.base_url} ({what}): {detail}. Is `art-nb serve` running "
+                "there? If it restarted, re-run `await model.register(backend)`")
+        return RemoteBackendError(
+            f"lost connection to {self.base_url} during {what}: {detail}; the server may have restarted — re-run "
+            "`await model.register(backend)` and continue from `await model.get_step()`")
+
+    def _check(self, response: httpx.Response, what: str) -> Any:
+        if response.is_success:
+            return response.json()
+        try:
+            error = response.json().get("error", {})
+            message, code = str(error.get("message", "")), error.get("code")
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            message, code = response.text, None
+        message = self._redact(message)
+        if response.status_code == 401:
+            raise RemoteBackendError(
+                f"the server at {self.base_url} rejected the token (HTTP 401) during {what}: pass the token "
+                f"`art-nb serve` printed as RemoteBackend(..., api_key=...) or set {API_KEY_ENV}")
+        if code in ("version_mismatch", "model_not_registered"):
+            raise RemoteBackendError(message)
+        raise RemoteBackendError(f"{what} failed on {self.base_url}: HTTP {response.status_code}: {message}")
+
+    async def _call(self, method: str, route: str, what: str, **kwargs: Any) -> Any:
+        try:
+            response = await request_with_retries(self._client(), method, route, policy=self.retry, **kwargs)
+        except httpx.TransportError as exc:
+            raise self._lost(exc, what) from None
+        return self._check(response, what)
+
+    # ---- the Backend protocol ----------------------------------------------------------------
+
+    async def register(self, model: ModelRef) -> None:
+        if not model.trainable:
+            raise TypeError("RemoteBackend serves TrainableModels; for another endpoint use "
+                            "Model(inference_base_url=...)")
+        health = await self._call("GET", "/api/health", "the version handshake")
+        problem = version_mismatch(_client_version(), str(health.get("version", "?")))
+        if problem:
+            raise RemoteBackendError(problem)
+        trainable: TrainableModelRef = model  # type: ignore[assignment]
+        body = {"name": trainable.name, "project": trainable.project, "base_model": trainable.base_model,
+                "config": trainable.backend_config.model_dump(mode="json")}
+        # Loading a model can take minutes on the server: no read timeout for this one.
+        reply = await self._call("POST", "/api/models", f"register {model.name!r}", json=body,
+                                 timeout=httpx.Timeout(self.timeout, read=None))
+        self._choices[model.name] = dict(reply.get("choices") or {})
+
+    def choices(self, model: ModelRef) -> dict[str, str]:
+        """What the server chose automatically for `model` (engine, trainer, resume...) and why."""
+        return dict(self._choices.get(model.name, {}))
+
+    def in_process_http_client(self, model: ModelRef) -> None:
+        """None: this backend's endpoint is not in this process; clients reach it over HTTP."""
+        return None
+
+    def inference_endpoint(self, model: ModelRef) -> InferenceEndpoint:
+        return InferenceEndpoint(base_url=f"{self.base_url}/v1",
+                                 api_key=self._key.reveal() if self._key is not None else "none")
+
+    def inference_model_name(self, model: ModelRef, step: int | None = None) -> str:
+        return inference_name(model.name, step)
+
+    async def get_step(self, model: TrainableModelRef) -> int:
+        return int((await self._call("GET", f"/api/models/{model.name}/step", "get_step"))["step"])
+
+    async def train(self, model: TrainableModelRef, groups: Iterable[TrajectoryGroup],
+                    config: TrainConfig | None = None, *, on_progress: ProgressCallback | None = None,
+                    **kwargs: Any) -> TrainResult:
+        """One step on the server. ART's `backend.train(model, groups, learning_rate=..., ...)` works
+        unchanged (art_nb.porting maps its arguments onto TrainConfig)."""
+        if kwargs:
+            config = train_config(config, kwargs, "RemoteBackend.train")
+        groups = gathered_groups(groups)  # checked here, before anything is sent
+        body = {"groups": [group_to_wire(g) for g in groups],
+                "config": (config or TrainConfig()).model_dump(mode="json")}
+        return await self._stream_step(model, "train", body, on_progress)
+
+    async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
+                        config: TrainSFTConfig | None = None, _config: Mapping[str, Any] | None = None,
+                        verbose: bool = False, *, on_progress: ProgressCallback | None = None) -> TrainResult:
+        """Supervised fine-tuning on the server (ART's `train_sft`), as `LocalBackend.train_sft` does it
+        there: one optimizer step per batch, one checkpoint for the call, progress per batch. Input
+        is checked here first, so a mistake fails before anything is sent, as it would locally."""
+        items = [Trajectory.model_validate(t) if isinstance(t, dict) else t for t in trajectories]
+        for i, item in enumerate(items):
+            if not isinstance(item, Trajectory):
+                raise TypeError(f"trajectories[{i}] is a {type(item).__name__}: train_sft takes art.Trajectory "
+                                "objects (or dicts of their fields)")
+        config = config or TrainSFTConfig()
+        if not isinstance(config, TrainSFTConfig):
+            raise TypeError(f"config is a {type(config).__name__}: pass art.TrainSFTConfig(...)")
+        if items:  # the schedule must fit the batches (LocalBackend's trainer raises the same ValueError)
+            config.learning_rates(-(-len(items) // config.resolved_batch_size))
+        body = {"trajectories": [trajectory_to_wire(t) for t in items], "config": config.model_dump(mode="json"),
+                "dev_config": None if _config is None else dict(_config), "verbose": verbose}
+        return await self._stream_step(model, "train_sft", body, on_progress)
+
+    async def _stream_step(self, model: TrainableModelRef, route: str, body: dict[str, Any],
+                           on_progress: ProgressCallback | None) -> TrainResult:
+        """POST one update to `route` and follow its NDJSON stream (events, progress) to the result."""
+        what = f"{route} of {model.name!r}"
+        timeout = httpx.Timeout(self.timeout, read=self.read_timeout)
+        result: TrainResult | None = None
+        try:
+            async with self._client().stream("POST", f"/api/models/{model.name}/{route}", json=body,
+                                             timeout=timeout) as response:
+                if not response.is_success:
+                    await response.aread()
+                    self._check(response, what)
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        result = self._on_stream_item(model, json.loads(line), on_progress) or result
+        except httpx.TransportError as exc:
+            raise self._lost(exc, what) from None
+        if result is None:
+            raise RemoteBackendError(
+                f"the {route} stream from {self.base_url} ended without a result: the server may have stopped "
+                "mid-step; re-run `await model.register(backend)` and continue from `await model.get_step()`")
+        return result
+
+    def _on_stream_item(self, model: TrainableModelRef, item: dict[str, Any],
+                        on_progress: ProgressCallback | None) -> TrainResult | None:
+        kind = item.get("type")
+        if kind == "event":
+            event = dict(item["event"])
+            fields = {k: v for k, v in event.items() if k not in ("type", "time")}
+            events.emit(str(event.get("type")), **{**fields, "remote": self.base_url})
+        elif kind == "progress":
+            progress = dict(item.get("progress") or {})
+            events.emit("train_progress", model=model.name, remote=self.base_url, **progress)
+            if on_progress is not None:
+                on_progress(progress)
+        elif kind == "error":
+            raise RemoteTrainingError(
+                f"training {model.name!r} failed on {self.base_url}: {item.get('error')}: "
+                f"{self._redact(str(item.get('message')))}", str(item.get("error")))
+        elif kind == "result":
+            return TrainResult(step=int(item["step"]), metrics=dict(item.get("metrics") or {}))
+        return None
+
+    async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
+                  step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
+        items = [{"group": group_to_wire(t)} if isinstance(t, TrajectoryGroup)
+                 else {"trajectory": trajectory_to_wire(t)} for t in trajectories]
+        reply = await self._call("POST", f"/api/models/{model.name}/log", f"log of {model.name!r}",
+                                 json={"items": items, "split": split, "step": step, "metrics": metrics})
+        summary = dict(reply["summary"])
+        # The server's own event stays on the server; the dashboard here needs one too.
+        events.emit("log", model=model.name, step=reply.get("step", step), split=split, metrics=summary,
+                    remote=self.base_url)
+        return summary
+
+    async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None = None,
+                                 keep_last: int = 1, *, best_metric: str | None = None) -> list[int]:
+        body = {"steps": None if steps is None else list(steps), "keep_last": keep_last, "best_metric": best_metric}
+        reply = await self._call("POST", f"/api/models/{model.name}/checkpoints/delete", "delete_checkpoints",
+                                 json=body)
+        return [int(s) for s in reply["deleted"]]
+
+    async def wait_for_checkpoint(self, model: TrainableModelRef) -> int:
+        """The served step, once the server has finished writing its checkpoint (it answers when it has)."""
+        return int((await self._checkpoints(model))["step"])
+
+    def model_dir(self, model: ModelRef) -> Path:
+        """Where this client keeps the model's files (downloaded checkpoints), in the store's layout."""
+        return model_dir(self.path, model.project, model.name)
+
+    async def list_checkpoints(self, model: TrainableModelRef) -> list[int]:
+        """Steps with a checkpoint on the server, ascending."""
+        return [int(s) for s in (await self._checkpoints(model))["steps"]]
+
+    async def _checkpoints(self, model: TrainableModelRef) -> dict[str, Any]:
+        return await self._call("GET", f"/api/models/{model.name}/checkpoints", "list of checkpoints")
+
+    async def download_checkpoint(self, model: TrainableModelRef, step: int | None = None,
+                                  dest: str | os.PathLike[str] | None = None, *,
+                                  include_optimizer: bool = False) -> Path:
+        """Copy a checkpoint's LoRA adapter (and optionally optimizer state) to this machine.
+
+        Default destination: `{path}/{project}/models/{name}/checkpoints/{step:04d}`, the layout a
+        `LocalBackend(path)` resumes from. Files are checked against the server's sha256 and
+        appear all at once (written to a temporary directory, then renamed).
+        """
+        step = await self.get_step(model) if step is None else step
+        route = f"/api/models/{model.name}/checkpoints/{step}/files"
+        listing = (await self._call("GET", route, f"download of step {step}"))["files"]
+        wanted = {*ADAPTER_FILES, META_FILE, *((TRAINER_STATE,) if include_optimizer else ())}
+        chosen = [f for f in listing if f["name"] in wanted]
+        missing = sorted(set(ADAPTER_FILES) - {f["name"] for f in chosen})
+        if missing:
+            raise RemoteBackendError(f"checkpoint {step} of {model.name!r} on {self.base_url} lacks {missing}: "
+                                     "it is not a complete adapter; download another step")
+        staging = Path(tempfile.mkdtemp(prefix=".download-", dir=self._staging_root(model, dest)))
+        try:
+            for entry in chosen:
+                await self._download_file(f"{route}/{entry['name']}", staging / entry["name"], entry)
+            return await asyncio.to_thread(self._place, model, step, staging, dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _staging_root(self, model: TrainableModelRef, dest: str | os.PathLike[str] | None) -> Path:
+        root = Path(dest).expanduser().resolve().parent if dest is not None else self.path
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+
+    async def _download_file(self, route: str, target: Path, entry: dict[str, Any]) -> None:
+        digest = hashlib.sha256()
+        try:
+            async with self._client().stream("GET", route) as response:
+                if not response.is_success:
+                    await response.aread()
+                    self._check(response, f"download of {entry['name']}")
+                with open(target, "wb") as handle:
+                    async for chunk in response.aiter_bytes():
+                        handle.write(chunk)
+                        digest.update(chunk)
+        except httpx.TransportError as exc:
+            raise self._lost(exc, f"download of {entry['name']}") from None
+        if digest.hexdigest() != entry["sha256"]:
+            raise RemoteBackendError(f"{entry['name']} arrived corrupted (sha256 differs from the server's); retry")
+
+    def _place(self, model: TrainableModelRef, step: int, staging: Path, dest: str | os.PathLike[str] | None) -> Path:
+        if dest is not None:
+            final = Path(dest).expanduser().resolve()
+            if final.exists():
+                raise FileExistsError(f"{final} exists; choose another destination or remove it")
+            staging.rename(final)
+            return final
+        meta_path = staging / META_FILE
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta.pop("step", None)
+        meta.pop("time", None)
+        store = ModelStore(self.path, model.project, model.name)
+
+        def write(directory: Path) -> None:
+            for file in staging.iterdir():
+                if file.name != META_FILE:
+                    shutil.copy2(file, directory / file.name)
+
+        return store.write_checkpoint(step, write, {**meta, "downloaded_from": self.base_url})
+
+    async def close(self) -> None:
+        """Close this event loop's HTTP client (the server keeps running)."""
+        await self._clients.close()
