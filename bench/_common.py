@@ -62,7 +62,7 @@ QWEN_TINY: dict[str, Any] = {
 
 def environment() -> dict[str, Any]:
     """Command, date, machine, versions, git commit: the header of every results file."""
-    from art_nb.local.versions import installed_version
+    from art_nb.local.plan.versions import installed_version
 
     info: dict[str, Any] = {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
@@ -289,7 +289,7 @@ def tokenizer_dir() -> Path:
         found = gpu_helpers().real_model_dir()
         if found is not None:
             return Path(found)
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     return resolve_base_model(TINY_MODEL).path
 

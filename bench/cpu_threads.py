@@ -5,7 +5,7 @@ with 1 and 2 intra-op threads, once on the machine as found ("as_found"; the 1-m
 is recorded, since a shared machine is rarely idle) and once with a busy-loop process added
 ("plus_busy_core": what a colleague's job, the rollout code or the notebook's event loop does to us).
 Reports decode tokens/s (prefill excluded) and writes every raw timing to
-bench/results/cpu_threads.json, which `art_nb/local/threads.py` cites for its default.
+bench/results/cpu_threads.json, which `art_nb/local/plan/threads.py` cites for its default.
 
     .venv/bin/python bench/cpu_threads.py [--steps 16] [--repeats 3] [--out bench/results/cpu_threads.json]
 """
@@ -30,7 +30,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
 PROMPT = "Write a short story about a robot who learns to play tic-tac-toe."
 

@@ -58,7 +58,7 @@ async def play_games(groups: int, group_size: int, seed: int) -> list[Any]:
     """Tic-tac-toe groups from the real stack (LocalBackend, HF engine, OpenAI endpoint); groups with signal only."""
     import art_nb as art
     from art_nb.envs import tic_tac_toe as ttt
-    from art_nb.local.base_models import TINY_MODEL
+    from art_nb.local.plan.base_models import TINY_MODEL
 
     model = art.TrainableModel(
         name="bench-ttt", project="bench", base_model=TINY_MODEL,
@@ -113,7 +113,7 @@ def make_batch(groups: int, group_size: int, seed: int) -> dict[str, Any]:
 
     from art_nb.config import TrainConfig
     from art_nb.grpo.advantages import prepare_batch
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     played = asyncio.run(play_games(groups, group_size, seed))
     raw = dump_groups(played)
@@ -300,7 +300,7 @@ def worker(kind: str, threads: int, chunks: int, profile: bool) -> None:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     batch = json.loads(BATCH.read_text())
     path = resolve_base_model(TINY_MODEL).path
@@ -370,7 +370,7 @@ def main() -> None:
         worker(args.worker, args.threads or 1, args.chunks, args.profile)
         return
 
-    from art_nb.local.threads import choose_cpu_threads
+    from art_nb.local.plan.threads import choose_cpu_threads
 
     threads, why = (args.threads, "--threads") if args.threads else choose_cpu_threads()
     if args.make_batch or not BATCH.exists():

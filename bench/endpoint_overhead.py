@@ -58,7 +58,7 @@ async def direct_run(engine: Any, prompt_ids: list[int], n: int, tokens: int) ->
 
 async def run(args: argparse.Namespace, results: Results) -> None:
     import art_nb as art
-    from art_nb.local.base_models import TINY_MODEL
+    from art_nb.local.plan.base_models import TINY_MODEL
 
     model = art.TrainableModel(name="bench-endpoint", project="bench", base_model=TINY_MODEL,
                                config=art.ModelConfig(max_seq_len=1024))

@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "hf_adapter_swap.json")
     args = parser.parse_args()
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     model_dir = resolve_base_model(TINY_MODEL).path
     results = Results(args.out, benchmark="hf_adapter_swap", settings={"loads": args.loads, "rank": args.rank,

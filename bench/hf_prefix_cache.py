@@ -149,7 +149,7 @@ async def run_once(model: Any, engine: Any, workload: Workload, cached: bool, bu
 
 async def run(args: argparse.Namespace, results: Results) -> None:
     import art_nb as art
-    from art_nb.local.base_models import TINY_MODEL
+    from art_nb.local.plan.base_models import TINY_MODEL
 
     model = art.TrainableModel(name="bench-prefix", project="bench", base_model=args.model or TINY_MODEL,
                                config=art.ModelConfig(engine="hf", max_seq_len=args.max_seq_len))

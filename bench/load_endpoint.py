@@ -140,7 +140,7 @@ def _base_model(config: LoadConfig, scratch: Path) -> tuple[str, str]:
         from faults.tiny import build_tiny_model
 
         return str(build_tiny_model(scratch / "tiny")), "tiny random Llama (hidden 32, 2 layers), tests/faults/tiny.py"
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     resolved = resolve_base_model(TINY_MODEL)
     return TINY_MODEL, f"{TINY_MODEL} ({resolved.source}: {resolved.path})"

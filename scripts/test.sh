@@ -19,7 +19,7 @@ cat "$vllm_log" && rm -f "$vllm_log"
 [ "$vllm_ok" = 0 ] || echo "warning: .venv-vllm could not be built; tests/vllm_cpu will skip (CI fails instead)"
 # Two workers (pytest-xdist), a file at a time so a module's fixtures stay in one process; the longest
 # files go first (tests/conftest.py). Each CPU engine and trainer uses one torch thread on 2 cores
-# (art_nb/local/threads.py), so the second worker takes the idle core. ART_NB_TEST_WORKERS=0 runs in one
+# (art_nb/local/plan/threads.py), so the second worker takes the idle core. ART_NB_TEST_WORKERS=0 runs in one
 # process; a later -n in the arguments wins.
 PARALLEL=()
 workers=${ART_NB_TEST_WORKERS:-2}

@@ -23,7 +23,7 @@ from .phases import PhaseClock
 if TYPE_CHECKING:
     from .engines.base import Engine
     from .engines.vllm.args import MemorySnapshot
-    from .plan import Plan
+    from .plan.choices import Plan
     from .trainers.base import Trainer
 
 __all__ = ["build"]
@@ -66,7 +66,7 @@ async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, 
     new_engine = engine is None
     clock.start(trainer_phase)
     if plan.trainer == "unsloth":
-        from .plan import import_unsloth
+        from .plan.choices import import_unsloth
 
         _log.info("trainer: %s", await _to_thread_settled(import_unsloth))
     snapshot = await asyncio.to_thread(memory_snapshot) if new_engine and plan.engine == "vllm" \

@@ -226,7 +226,7 @@ def _local_base_dir(base_model: str) -> Path | None:
     if path.is_dir():
         return path
     try:
-        from .base_models import resolve_base_model
+        from .plan.base_models import resolve_base_model
 
         return resolve_base_model(base_model).path
     except Exception:  # noqa: BLE001 - any failure only means "no tokenizer copy"
@@ -291,7 +291,7 @@ def merge_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .base_models import resolve_base_model
+    from .plan.base_models import resolve_base_model
 
     base_dir = resolve_base_model(base_model).path
     if dtype == "auto":

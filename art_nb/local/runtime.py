@@ -35,7 +35,7 @@ from .state import ModelState
 
 if TYPE_CHECKING:
     from .engines.base import Engine
-    from .plan import Plan
+    from .plan.choices import Plan
     from .server import InferenceGate, RunningServer, ServedModel
     from .trainers.base import Trainer
 
@@ -218,8 +218,8 @@ class Runtime:
                 state.loaded_adapters.add(state.step)
 
     async def _load(self, model: TrainableModelRef, clock: PhaseClock) -> ModelState:
-        from .base_models import resolve_base_model
-        from .plan import engine_fallback, plan_for
+        from .plan.base_models import resolve_base_model
+        from .plan.choices import engine_fallback, plan_for
 
         store = ModelStore(self.path, model.project, model.name)
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
@@ -373,7 +373,7 @@ def _gpu_headroom(vllm: bool) -> str:
     import torch
 
     from .engines.vllm.args import memory_snapshot
-    from .memory import headroom
+    from .plan.memory import headroom
 
     free, total, device_total, _ = memory_snapshot()
     capped = total < device_total

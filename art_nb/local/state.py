@@ -14,7 +14,7 @@ from art_nb.types import inference_name
 
 if TYPE_CHECKING:
     from .engines.base import Engine
-    from .plan import Plan
+    from .plan.choices import Plan
     from .trainers.base import Trainer
 
 __all__ = ["ModelState", "StepControl", "TrainingStoppedError"]

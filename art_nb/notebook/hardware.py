@@ -32,10 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..local.base_models import TINY_MODEL
-from ..local.memory import count_parameters
-from ..local.plan import compute_dtype
-from ..local.versions import gpu_path_for, installed_version, stack_differences, stack_for
+from ..local.plan.base_models import TINY_MODEL
+from ..local.plan.choices import compute_dtype
+from ..local.plan.memory import count_parameters
+from ..local.plan.versions import gpu_path_for, installed_version, stack_differences, stack_for
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -302,7 +302,7 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     assert hw.gpu_capability is not None and hw.gpu_memory_gib is not None
     groups, rollouts, seq = _TASK_SHAPES[task]["gpu"]
     engine, engine_why = gpu_path_for(hw.gpu_capability, hw.vllm_version)
-    # The rule the trainer and the engines follow (art_nb/local/plan.py): the notebook shows what runs.
+    # The rule the trainer and the engines follow (art_nb/local/plan/choices.py): the notebook shows what runs.
     dtype, dtype_why = compute_dtype("auto", "cuda", hw.gpu_capability)
     if hw.gpu_capability < (8, 0):
         # A T4 is slow at anything (65 fp16 TFLOPS, 320 GB/s), and slower still on the transformers engine,

@@ -10,7 +10,7 @@ What it installs comes from what art_nb ships, so the versions are written once:
   (`notebook` + `gpu` on a GPU, `notebook` + `cpu` without one; on Turing the gpu extra's vLLM is
   held to 0.11.2 by the constraint file, the last release with an attention backend there);
 - `pip install -c` with the stack's constraint file (`art_nb/constraints/{stack}.txt`, the files
-  `art_nb.local.versions` reads), the stack picked from `nvidia-smi`'s compute capability by
+  `art_nb.local.plan.versions` reads), the stack picked from `nvidia-smi`'s compute capability by
   `versions.stack_for`.
 Colab's own numpy, ipywidgets and pillow (and its torch on a CPU runtime; vLLM needs its own) are kept
 when pip can keep them; when it cannot, the second try lets pip change them and says so. At the end
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from ..local.versions import constraints_file, pins, stack_for
+from ..local.plan.versions import constraints_file, pins, stack_for
 from .hardware import Hardware, from_nvidia_smi
 
 __all__ = ["KEEP", "Plan", "install", "main", "plan_for", "requirements", "restart_reasons"]

@@ -38,7 +38,7 @@ from art_nb.store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, mo
 from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
 
-from .wire import (
+from ..wire import (
     VERSION_HEADER,
     LoopClients,
     RetryPolicy,

@@ -83,7 +83,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, path: str | os.PathLike[str
     Raises ValueError (before anything starts) for a token that cannot be read or is too short.
     """
     from art_nb.local import LocalBackend
-    from art_nb.local.base_models import resolve_base_model
+    from art_nb.local.plan.base_models import resolve_base_model
     from art_nb.local.server import start_server
 
     secret = _resolve_token(host, token, announce, token_file=token_file)

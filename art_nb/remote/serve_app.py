@@ -65,7 +65,7 @@ from art_nb.store import checkpoint_steps
 from art_nb.types import ProgressCallback, TrainableModelRef, TrainResult
 from art_nb.web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 
-from .wire import (
+from ..wire import (
     VERSION_HEADER,
     DeleteBody,
     LogBody,
@@ -372,7 +372,7 @@ def create_serve_app(
     `openai_app` is mounted at the root for /v1/*; `token` None means no auth (loopback only).
     `allowed_origins`: browser origins let in cross-site; `allow_local_models`: let clients name
     local directories as base_model; `resolve_model`: checks a base model can be loaded before
-    the backend tries (`art-nb serve` passes `art_nb.local.base_models.resolve_base_model`).
+    the backend tries (`art-nb serve` passes `art_nb.local.plan.base_models.resolve_base_model`).
     """
     service = _Service(backend, allow_local_models=allow_local_models, resolve_model=resolve_model)
     routes: list[Any] = [

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 
 from art_nb.config import TrainConfig
-from art_nb.remote.wire import LoopClients, RetryPolicy, request_with_retries
 from art_nb.secrets import Secret
 from art_nb.trajectories import TrajectoryGroup
+from art_nb.wire import LoopClients, RetryPolicy, request_with_retries
 
 __all__ = ["API_KEY_ENV", "DEFAULT_BASE_URL", "RemoteModel", "ServerlessError", "ServiceClient", "TrainingJobFailed"]
 

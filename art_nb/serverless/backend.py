@@ -31,11 +31,11 @@ from art_nb.backend import Backend
 from art_nb.config import TrainConfig
 from art_nb.porting import train_config
 from art_nb.records import as_groups, best_step, record_groups
-from art_nb.remote.wire import RetryPolicy
 from art_nb.secrets import Secret, find_secret
 from art_nb.store import ADAPTER_FILES, META_FILE, ModelStore, checkpoint_path, checkpoint_steps
 from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
+from art_nb.wire import RetryPolicy
 
 from .api import API_KEY_ENV, DEFAULT_BASE_URL, RemoteModel, ServerlessError, ServiceClient, TrainingJobFailed
 from .artifacts import ArtifactRef, ArtifactStore, WandbArtifacts

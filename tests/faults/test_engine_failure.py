@@ -128,8 +128,8 @@ async def test_vllm_failing_on_a_t4_falls_back_to_the_transformers_engine_at_reg
     goes on with the transformers engine and says why (here: a plan as on a T4, on this CPU; vLLM's start fails)."""
     from dataclasses import replace
 
-    from art_nb.local import plan as plan_module
     from art_nb.local import runtime as runtime_module
+    from art_nb.local.plan import choices as plan_module
 
     plan_for = plan_module.plan_for
     monkeypatch.setattr(plan_module, "plan_for", lambda config: replace(

@@ -439,7 +439,7 @@ async def big_prompt_probe() -> dict[str, Any]:
     posted, and a small request is timed every 50 ms until the big one is answered."""
     from transformers import AutoTokenizer
 
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     engine = Engine(AutoTokenizer.from_pretrained(resolve_base_model(TINY_MODEL).path))
     server = await start_server(create_app(Registry(engine), InferenceGate(), api_key=KEY))
@@ -463,7 +463,7 @@ async def test_a_big_prompt_does_not_stall_other_clients() -> None:
     """A 1.5 MB message takes seconds to tokenise; other clients are answered meanwhile (the probe: a
     12 MB message held the event loop for 13 s). Measured in a fresh interpreter: in the full suite, work
     left running by earlier tests in this process made the timing meaningless (a 60 s timeout in CI)."""
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     try:
         resolve_base_model(TINY_MODEL)

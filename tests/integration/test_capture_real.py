@@ -45,7 +45,7 @@ async def test_plain_openai_and_httpx_rollouts_train_on_the_servers_ids(tmp_path
                   await art.trajectory_group([art.trajectory(with_httpx(s)) for s in range(3)])]
         from transformers import AutoTokenizer
 
-        from art_nb.local.base_models import resolve_base_model
+        from art_nb.local.plan.base_models import resolve_base_model
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_base_model(TINY).path)  # the served model's own
         for group in groups:

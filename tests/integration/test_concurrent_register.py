@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import art_nb as art
-from art_nb.local.base_models import TINY_MODEL
+from art_nb.local.plan.base_models import TINY_MODEL
 
 pytestmark = pytest.mark.slow
 

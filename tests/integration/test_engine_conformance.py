@@ -11,8 +11,8 @@ import pytest_asyncio
 from engine_cases import CASES, Subject, chat_prompt, random_lora
 
 from art_nb.config import ModelConfig
-from art_nb.local.base_models import TINY_MODEL, resolve_base_model
 from art_nb.local.engines.hf.engine import HFEngine
+from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 

@@ -25,8 +25,8 @@ def test_q8_0_gguf_of_a_merged_lora_gives_the_merged_models_greedy_tokens(tmp_pa
     import torch
     import transformers
 
-    from art_nb.local.base_models import resolve_base_model
     from art_nb.local.export import export_adapter
+    from art_nb.local.plan.base_models import resolve_base_model
 
     base_dir = resolve_base_model(TINY).path
     torch.manual_seed(0)

@@ -13,7 +13,6 @@ import pytest_asyncio
 import torch
 
 from art_nb.config import ModelConfig
-from art_nb.local.base_models import TINY_MODEL, resolve_base_model
 from art_nb.local.engines.base import (
     ContextTooLongError,
     EngineDeadError,
@@ -22,7 +21,8 @@ from art_nb.local.engines.base import (
     SamplingParams,
 )
 from art_nb.local.engines.hf.engine import EngineStats, HFEngine
-from art_nb.local.plan import Plan
+from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
+from art_nb.local.plan.choices import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 

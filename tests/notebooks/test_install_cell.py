@@ -98,7 +98,7 @@ def test_with_art_nb_source_it_installs_the_cpu_set_and_keeps_the_runtimes_packa
     assert versions(python, *kept) == before  # the runtime's own copies stayed
 
     check = ("import art_nb, transformers, peft, matplotlib\n"
-             "from art_nb.local.versions import constraints_file, check_stack\n"
+             "from art_nb.local.plan.versions import constraints_file, check_stack\n"
              "print(constraints_file('turing').is_file(), check_stack('cpu'))")
     shipped = subprocess.run([str(python), "-c", check], capture_output=True, text=True, cwd=cell.parent)
     assert shipped.returncode == 0, shipped.stderr[-2000:]

@@ -124,7 +124,7 @@ def assert_peft_loads(adapter_dir, checkpoint_dir):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from art_nb.local.base_models import resolve_base_model
+    from art_nb.local.plan.base_models import resolve_base_model
 
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == TINY  # the hub id, not this machine's cache path

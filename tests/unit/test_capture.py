@@ -257,7 +257,7 @@ async def test_non_canonical_sampled_ids_stay_as_sampled(srv: Any) -> None:
 
 
 async def test_a_captured_trajectory_crosses_the_wire_and_refuses_mixing_with_messages(srv: Any) -> None:
-    from art_nb.remote.wire import trajectory_from_wire, trajectory_to_wire
+    from art_nb.wire import trajectory_from_wire, trajectory_to_wire
 
     t = await art.trajectory(two_turns_openai(srv))
     back = trajectory_from_wire(json.loads(json.dumps(trajectory_to_wire(t))))

@@ -148,7 +148,7 @@ async def test_the_conversation_shows_the_branch_the_client_continued_and_what_i
 
 
 async def test_the_wire_form_is_unchanged() -> None:
-    from art_nb.remote.wire import trajectory_to_wire
+    from art_nb.wire import trajectory_to_wire
 
     user = {"role": "user", "content": "hi"}
     reply = CapturedChoice(token_ids=[5], finish_reason="stop", message={"role": "assistant", "content": "A"})

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from faults.tiny import tiny_model_config
 
-from art_nb.local.plan import Plan, engine_fallback
+from art_nb.local.plan.choices import Plan, engine_fallback
 
 T4_VLLM = Plan(device="cuda", dtype="float16", engine="vllm", trainer="unsloth", load_in_4bit=True, cpu_threads=None,
                capability=(7, 5), reasons={"engine": "vLLM 0.11.2: one of the last releases with a backend for sm75"})

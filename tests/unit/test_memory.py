@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from art_nb.local.memory import GiB, ModelShape, count_parameters, plan_gpu_memory, read_model_shape
+from art_nb.local.plan.memory import GiB, ModelShape, count_parameters, plan_gpu_memory, read_model_shape
 
 # SmolLM2-135M and a Llama-3.2-3B-shaped model.
 SMOL = ModelShape(layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -173,7 +173,7 @@ def test_growth_room_shrinks_with_a_warning_rather_than_refusing_a_model_that_fi
 
 
 def test_register_reports_the_headroom_within_the_cap():
-    from art_nb.local.memory import headroom
+    from art_nb.local.plan.memory import headroom
 
     line = headroom(int(10.4 * GiB), 15 * GiB, capped=True, vllm=True)
     assert line.startswith("10.4 GiB used of 15.0 GiB (this process's cap) after register: 4.6 GiB headroom")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from art_nb.local import base_models as models
-from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+from art_nb.local.plan import base_models as models
+from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
 
 @pytest.fixture

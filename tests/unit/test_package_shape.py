@@ -109,7 +109,7 @@ LAYERS = {
     "art_nb.sft_config": 0,
     "art_nb.backend": 1, "art_nb.model": 1, "art_nb.reporting": 1,
     "art_nb.local.engines": 2, "art_nb.local.trainers": 2, "art_nb.local.server": 2, "art_nb.local.server.toolcalls": 2, "art_nb.web": 2,
-    "art_nb.local.memory": 2, "art_nb.local.versions": 2, "art_nb.local.base_models": 2, "art_nb.local.threads": 2, "art_nb.local.compat": 2, "art_nb.local.plan": 2,
+    "art_nb.local.plan.memory": 2, "art_nb.local.plan.versions": 2, "art_nb.local.plan.base_models": 2, "art_nb.local.plan.threads": 2, "art_nb.local.plan.compat": 2, "art_nb.local.plan.choices": 2,
     "art_nb.local.s3": 2,
     "art_nb.backends": 3,
     "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.local.export": 4, "art_nb.local.gguf": 4, "art_nb.datasets_io": 4, "art_nb.demo": 4,

@@ -14,12 +14,12 @@ import pytest
 
 from art_nb.config import ModelConfig
 from art_nb.local import build as build_module
-from art_nb.local import plan as availability
 from art_nb.local.build import build
 from art_nb.local.engines.vllm import args as vllm_plan
 from art_nb.local.engines.vllm import startup
 from art_nb.local.phases import PhaseClock
-from art_nb.local.plan import Plan
+from art_nb.local.plan import choices as availability
+from art_nb.local.plan.choices import Plan
 
 PLAN = Plan(device="cpu", dtype="float32", engine="vllm", trainer="peft", load_in_4bit=False, cpu_threads=None)
 STEP = 0.4

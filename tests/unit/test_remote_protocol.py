@@ -24,7 +24,8 @@ from art_nb.remote import client as remote_module
 from art_nb.remote import serve as serve_module
 from art_nb.remote.client import RemoteBackend, RemoteBackendError, RemoteTrainingError
 from art_nb.remote.serve import _resolve_token, create_serve_app, is_loopback
-from art_nb.remote.wire import (
+from art_nb.secrets import Secret
+from art_nb.wire import (
     RetryPolicy,
     group_from_wire,
     group_to_wire,
@@ -34,7 +35,6 @@ from art_nb.remote.wire import (
     trajectory_to_wire,
     version_mismatch,
 )
-from art_nb.secrets import Secret
 
 TOKEN = "serve-token-5be0c1d94f"
 PROMPT = [{"role": "user", "content": "Say a colour."}]

@@ -13,9 +13,9 @@ from fakes.wandb_server import FakeArtifacts, FakeWandbServer
 
 import art_nb as art
 from art_nb import events
-from art_nb.remote.wire import RetryPolicy
 from art_nb.secrets import MissingSecretError
 from art_nb.serverless import ServerlessBackend, ServerlessError, TrainingJobFailed
+from art_nb.wire import RetryPolicy
 
 KEY = "wandb-test-key-8c1f2e9a7b5d"  # must never show up in any output
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)

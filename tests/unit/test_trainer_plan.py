@@ -18,8 +18,8 @@ from conftest import make_choice
 from faults.tiny import build_tiny_model, tiny_model_config
 
 from art_nb.config import TrainConfig
-from art_nb.local import plan as plan_module
-from art_nb.local.plan import Plan, compute_dtype, plan_for
+from art_nb.local.plan import choices as plan_module
+from art_nb.local.plan.choices import Plan, compute_dtype, plan_for
 from art_nb.local.trainers.peft_trainer import PeftTrainer
 from art_nb.notebook.hardware import Hardware, pick_defaults
 from art_nb.store import TRAINER_STATE

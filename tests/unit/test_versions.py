@@ -7,8 +7,8 @@ from importlib import metadata
 
 import pytest
 
-from art_nb.local import versions
-from art_nb.local.versions import VersionError, check_package, check_versions, gpu_path_for, parse_version
+from art_nb.local.plan import versions
+from art_nb.local.plan.versions import VersionError, check_package, check_versions, gpu_path_for, parse_version
 
 
 def test_parse_version_keeps_the_numeric_release():

@@ -12,7 +12,7 @@ import pytest
 from art_nb.config import LoraConfig, ModelConfig
 from art_nb.local.engines.base import EngineError
 from art_nb.local.engines.vllm.args import VLLMSetup, engine_args
-from art_nb.local.memory import GiB
+from art_nb.local.plan.memory import GiB
 
 SMOL_PARAMS = 134_515_008
 H200 = (140 * GiB, 141 * GiB)  # (free, total)

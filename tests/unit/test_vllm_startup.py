@@ -11,7 +11,7 @@ from art_nb.local.engines.vllm import args as vllm_plan
 from art_nb.local.engines.vllm import startup
 from art_nb.local.engines.vllm.args import engine_args, planned_memory
 from art_nb.local.engines.vllm.startup import capture_sizes, compilation_fields, startup_kwargs, startup_mode
-from art_nb.local.memory import GiB
+from art_nb.local.plan.memory import GiB
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python tests/vllm_cpu/engine_check.py MODEL_DIR RESULT.json
 
-MODEL_DIR: a transformers folder (the main suite passes SmolLM2 from art_nb.local.base_models). Each check
+MODEL_DIR: a transformers folder (the main suite passes SmolLM2 from art_nb.local.plan.base_models). Each check
 appends to RESULT.json as it goes; the pytest wrapper (test_vllm_engine_cpu.py) asserts on it, so
 a failure names the check. Also compares vLLM's logprobs with transformers' at temperature 1: the
 engine must return raw logprobs, not temperature-scaled ones. Ends with the Engine protocol's shared

@@ -24,7 +24,7 @@ def run_check(script: str, *args: Path, tmp: Path) -> dict:
         if os.environ.get("ART_NB_REQUIRE_VLLM_CPU"):  # CI: the adapter must be exercised, not skipped
             pytest.fail(message)
         pytest.skip(message)
-    from art_nb.local.base_models import TINY_MODEL, resolve_base_model
+    from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 
     model_dir = resolve_base_model(TINY_MODEL).path
     result_path = tmp / "result.json"

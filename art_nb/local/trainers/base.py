@@ -3,7 +3,7 @@
 Trainers are synchronous and run in a worker thread; the backend owns the ordering (pause
 inference, train, save, swap adapter, resume). A trainer never decides where files go: it is
 handed a directory to fill. Nor does it decide its device or dtype: it is built from the model's
-`Plan` (art_nb/local/plan.py), the one owner of automatic choices.
+`Plan` (art_nb/local/plan/choices.py), the one owner of automatic choices.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The model stays resident between steps (loading it is the slow part). The GRPO math is
 `art_nb.grpo`, shared with the Unsloth trainer; this file only owns weights, optimizer and files.
-Device, dtype and 4-bit come from the model's `Plan` (art_nb/local/plan.py): the trainer does
+Device, dtype and 4-bit come from the model's `Plan` (art_nb/local/plan/choices.py): the trainer does
 not decide them, so it trains in the dtype the engine serves in.
 
 4-bit (`plan.load_in_4bit`, CUDA only): the linear layers load as bitsandbytes NF4 (double-quantised,
@@ -55,9 +55,9 @@ from art_nb.store import TRAINER_STATE, CheckpointError, write_adapter
 from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import ProgressCallback
 
-from ..compat import quiet_checkpointing_alias
 from ..engines.base import AdapterWeights, packed_copies
-from ..plan import Plan, plan_for
+from ..plan.choices import Plan, plan_for
+from ..plan.compat import quiet_checkpointing_alias
 
 __all__ = ["PeftTrainer"]
 

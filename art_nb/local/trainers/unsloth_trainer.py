@@ -20,8 +20,8 @@ import torch
 
 from art_nb.config import ModelConfig
 
-from ..compat import quiet_checkpointing_alias
-from ..plan import Plan, unsloth_unavailable_reason
+from ..plan.choices import Plan, unsloth_unavailable_reason
+from ..plan.compat import quiet_checkpointing_alias
 from .peft_trainer import PeftTrainer
 
 __all__ = ["UnslothTrainer"]

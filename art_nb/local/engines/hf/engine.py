@@ -58,7 +58,7 @@ from .prefix import Entry, PrefixCache, chunk_inputs, default_budget
 
 if TYPE_CHECKING:
     from art_nb.config import ModelConfig
-    from art_nb.local.plan import Plan
+    from art_nb.local.plan.choices import Plan
 
 __all__ = ["EngineStats", "HFEngine"]
 
@@ -115,7 +115,7 @@ class HFEngine:
         `prefix_cache_bytes`: the prefix cache's budget (0: off; None: `ModelConfig.prefix_cache_gib`, whose
         None is `hf_prefix.default_budget`).
         """
-        from art_nb.local.plan import plan_for
+        from art_nb.local.plan.choices import plan_for
 
         plan = plan or plan_for(config)
         dev = torch.device(device or plan.device)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from art_nb.local.compat import quiet_checkpointing_alias
+from art_nb.local.plan.compat import quiet_checkpointing_alias
 
 from ..base import AdapterWeights
 

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from art_nb.config import ModelConfig
-from art_nb.local.memory import VLLM_STEP_TOKENS, ModelShape, count_parameters, plan_gpu_memory, read_model_shape
+from art_nb.local.plan.memory import (
+    VLLM_STEP_TOKENS,
+    ModelShape,
+    count_parameters,
+    plan_gpu_memory,
+    read_model_shape,
+)
 
 from ..base import EngineError
 from .startup import startup_kwargs, startup_mode
@@ -113,7 +119,7 @@ def capped_memory(free: int, total: int, fraction: float, reserved: int) -> tupl
 
 def _default_dtype(config: ModelConfig, on_cuda: bool) -> tuple[str, str]:
     """The `Plan`'s dtype rule, for callers (benchmarks) that build no `Plan`."""
-    from art_nb.local.plan import compute_dtype, cuda_capability
+    from art_nb.local.plan.choices import compute_dtype, cuda_capability
 
     return compute_dtype(config.dtype, "cuda" if on_cuda else "cpu", cuda_capability() if on_cuda else None)
 
@@ -130,7 +136,7 @@ def bitsandbytes_missing() -> str | None:
     except ImportError:
         return "vLLM is not installed"
     if "bitsandbytes" not in QUANTIZATION_METHODS:
-        from art_nb.local.versions import installed_version
+        from art_nb.local.plan.versions import installed_version
 
         return f"vLLM {installed_version('vllm')} has no bitsandbytes quantisation (0.25 has it; 0.32 dropped it)"
     return None

@@ -59,7 +59,7 @@ from .lora import install, spill
 from .thread import VLLMThread
 
 if TYPE_CHECKING:
-    from art_nb.local.plan import Plan
+    from art_nb.local.plan.choices import Plan
 
 __all__ = ["VLLMEngine", "VLLMSetup", "capped_memory", "engine_args"]
 
@@ -108,8 +108,8 @@ class VLLMEngine:
         """
         from transformers import AutoTokenizer
 
-        from art_nb.local.plan import plan_for
-        from art_nb.local.versions import check_versions
+        from art_nb.local.plan.choices import plan_for
+        from art_nb.local.plan.versions import check_versions
 
         plan = plan or plan_for(config)
         for warning in check_versions("vllm"):
@@ -386,7 +386,7 @@ def _shut_down(engine: Any, last: bool) -> None:
 
 
 def _vllm_version() -> str:
-    from art_nb.local.versions import installed_version
+    from art_nb.local.plan.versions import installed_version
 
     return installed_version("vllm") or "?"
 

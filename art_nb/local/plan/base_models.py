@@ -53,7 +53,7 @@ class ResolvedModel:
 
 
 def models_cache_dir() -> Path:
-    """Where converted models live: `$ART_NB_CACHE/models`, else `~/.cache/art_nb/local/base_models`."""
+    """Where converted models live: `$ART_NB_CACHE/models`, else `~/.cache/art_nb/local/plan/base_models`."""
     root = os.environ.get("ART_NB_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "art_nb"
     return base / "models"
