@@ -1,6 +1,6 @@
 """The package's shape, checked from its source: no import circle, no oversized module, no capability probes.
 
-These are the rules docs/design.md states; a test holds them so the next change cannot quietly undo
+These are the rules docs/design.md states (its layer and wing tables are read from there); a test holds them so the next change cannot quietly undo
 them. The import graph counts every `import` and `from ... import` in art_nb, those under
 `if TYPE_CHECKING:` and inside functions included: a type-only circle is still a circle a reader has
 to untangle.
@@ -9,6 +9,8 @@ to untangle.
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "art_nb"
@@ -95,38 +97,133 @@ def test_the_cycle_finder_finds_a_planted_circle() -> None:
 
 def test_the_model_handle_imports_no_backend_and_the_protocol_no_model() -> None:
     graph = import_graph()
-    assert not {m for m in graph["art_nb.model"] if m.startswith("art_nb.backends.") and m != "art_nb.backend"}
+    assert not {m for m in graph["art_nb.model"] if m.split(".")[1] in {"local", "remote", "serverless"}}
     assert "art_nb.model" not in graph["art_nb.backend"]
     assert "art_nb.store" not in graph["art_nb.model"]
 
 
-# docs/design.md's layers, by module prefix (the longest prefix wins).
-LAYERS = {
-    "art_nb._version": 0, "art_nb.types": 0, "art_nb.config": 0, "art_nb.events": 0, "art_nb.secrets": 0,
-    "art_nb.trajectories": 0, "art_nb.store": 0, "art_nb.records": 0, "art_nb.gather": 0, "art_nb.grpo": 0,
-    "art_nb.messages": 0, "art_nb.utils": 0, "art_nb.dev": 0, "art_nb.porting": 0, "art_nb.trajectories": 0,
-    "art_nb.capture": 0, "art_nb.scopes": 0,
-    "art_nb.sft_config": 0,
-    "art_nb.backend": 1, "art_nb.model": 1, "art_nb.reporting": 1,
-    "art_nb.local.engines": 2, "art_nb.local.trainers": 2, "art_nb.local.server": 2, "art_nb.local.server.toolcalls": 2, "art_nb.web": 2,
-    "art_nb.local.plan.memory": 2, "art_nb.local.plan.versions": 2, "art_nb.local.plan.base_models": 2, "art_nb.local.plan.threads": 2, "art_nb.local.plan.compat": 2, "art_nb.local.plan.choices": 2,
-    "art_nb.local.s3": 2,
-    "art_nb.backends": 3,
-    "art_nb": 4, "art_nb.local": 4, "art_nb.notebook": 4, "art_nb.envs": 4, "art_nb.local.export": 4, "art_nb.local.gguf": 4, "art_nb.datasets_io": 4, "art_nb.demo": 4,
-    "art_nb.cli": 4, "art_nb.serverless": 4, "art_nb.rewards": 4, "art_nb.mcp": 4, "art_nb.langgraph": 4,
-}
+DESIGN = PACKAGE.parent / "docs" / "design.md"
 
 
-def layer(module: str) -> int:
-    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
-    return LAYERS[prefix]
+def _table(marker: str) -> list[list[str]]:
+    """The rows of the markdown table that follows `<!-- {marker}: ... -->` in docs/design.md, cells split."""
+    lines = DESIGN.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- {marker}:"))
+    rows = []
+    for line in lines[start + 3:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
 
 
-def test_imports_point_down_the_layers() -> None:
+def _rooms_in(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def layer_table() -> dict[str, int]:
+    """Room (`x.py`, `x/`, `x/y.py`, relative to art_nb/) -> layer number, from design.md's layer table."""
+    return {room: int(row[0].split()[0]) for row in _table("layers") for room in _rooms_in(row[1])}
+
+
+def wing_rules() -> list[tuple[str, str, list[str], list[str]]]:
+    """(from, into, only from, only into) rows from design.md's wing table; an empty list: nobody/nothing."""
+    return [(_rooms_in(r[0])[0], _rooms_in(r[1])[0], _rooms_in(r[2]), _rooms_in(r[3])) for r in _table("wings")]
+
+
+def _path_of(module: str) -> str:
+    """art_nb.local.plan.choices -> 'local/plan/choices.py'; a package -> its folder, 'local/plan/'; art_nb -> '__init__.py'."""
+    path = _modules()[module].relative_to(PACKAGE).as_posix()
+    return path[: -len("__init__.py")] if path.endswith("/__init__.py") else path
+
+
+def _covers(room: str, path: str) -> bool:
+    return path == room or (room.endswith("/") and path.startswith(room))
+
+
+def room_of(path: str, rooms: Iterable[str]) -> str | None:
+    """The most specific room that holds a module's path."""
+    return max((r for r in rooms if _covers(r, path)), key=len, default=None)
+
+
+def shape_violations(graph: dict[str, set[str]], paths: dict[str, str], layers: dict[str, int],
+                     wings: list[tuple[str, str, list[str], list[str]]]) -> list[str]:
+    """Every import that breaks the layer table or the wing table; a module no room covers is one too.
+
+    A package's `__init__` re-exporting its own submodules is exempt from the layer rule (it points down into
+    itself), as it is from the circle rule."""
+    found = [f"{paths[m]}: in no room of docs/design.md's layer table" for m in graph if room_of(paths[m], layers) is None]
+    for m, targets in graph.items():
+        source = paths[m]
+        for t in sorted(targets):
+            target = paths[t]
+            if t.startswith(m + ".") or room_of(source, layers) is None or room_of(target, layers) is None:
+                continue
+            src_layer, dst_layer = layers[room_of(source, layers)], layers[room_of(target, layers)]
+            if dst_layer > src_layer:
+                found.append(f"{source} (layer {src_layer}) imports {target} (layer {dst_layer}): up the layers")
+            for wing_from, wing_into, only_from, only_into in wings:
+                if _covers(wing_from, source) and _covers(wing_into, target):
+                    allowed = any(_covers(r, source) for r in only_from) and any(_covers(r, target) for r in only_into)
+                    if not allowed:
+                        found.append(f"{source} imports {target}: {wing_from} -> {wing_into} is not in the wing table")
+    return found
+
+
+def folder_graph(graph: dict[str, set[str]], paths: dict[str, str]) -> dict[str, set[str]]:
+    """The import graph between rooms as the tree draws them: a folder is one room, a top-level module its own."""
+    def folder(module: str) -> str:
+        path = paths[module]
+        if path.endswith("/"):  # a package: its __init__ is in its folder
+            return path
+        return path.rsplit("/", 1)[0] + "/" if "/" in path else path
+
+    rooms: dict[str, set[str]] = {folder(m): set() for m in graph}
+    for m, targets in graph.items():
+        for t in targets:
+            if t.startswith(m + ".") and paths[m].endswith("/"):
+                continue  # a package re-exporting what is inside it
+            if folder(m) != folder(t):
+                rooms[folder(m)].add(folder(t))
+    return rooms
+
+
+def _package_shape() -> tuple[dict[str, set[str]], dict[str, str]]:
     graph = import_graph()
-    upward = sorted(f"{m} ({layer(m)}) -> {t} ({layer(t)})" for m, targets in graph.items() for t in targets
-                    if layer(t) > layer(m) and not t.startswith(m + ".") and not m.endswith("__init__"))
-    assert not upward, "imports that point up the layers of docs/design.md: " + "; ".join(upward)
+    return graph, {m: _path_of(m) for m in graph}
+
+
+def test_imports_keep_the_layers_and_the_wings_of_docs_design() -> None:
+    graph, paths = _package_shape()
+    layers = layer_table()
+    assert len(layers) > 20 and len(wing_rules()) >= 5, "design.md's tables were not found"
+    found = shape_violations(graph, paths, layers, wing_rules())
+    assert not found, "imports against docs/design.md's tables:\n" + "\n".join(found)
+
+
+def test_no_folder_level_circle() -> None:
+    graph, paths = _package_shape()
+    rooms = folder_graph(graph, paths)
+    assert "local/engines/hf/" in rooms and "local/plan/" in rooms["local/engines/hf/"]
+    cycle = _cycle(rooms)
+    assert cycle is None, "folders that import each other: " + " -> ".join(cycle)
+
+
+def test_the_checks_see_a_planted_upward_import_a_wing_crossing_and_a_folder_circle() -> None:
+    graph, paths = _package_shape()
+    layers, wings = layer_table(), wing_rules()
+    upward = {**graph, "art_nb.store": graph["art_nb.store"] | {"art_nb.model"}}
+    assert any("store.py (layer 0) imports model.py (layer 1)" in v for v in shape_violations(upward, paths, layers, wings))
+    crossing = {**graph, "art_nb.remote.client": graph["art_nb.remote.client"] | {"art_nb.local.runtime"}}
+    assert any("remote/client.py imports local/runtime.py" in v for v in shape_violations(crossing, paths, layers, wings))
+    into_engines = {**graph, "art_nb.notebook.viewer": graph["art_nb.notebook.viewer"] | {"art_nb.local.engines.base"}}
+    assert any("notebook/viewer.py imports local/engines/base.py" in v
+               for v in shape_violations(into_engines, paths, layers, wings))
+    homeless = {**paths, "art_nb.store": "attic/store.py"}
+    assert any("in no room" in v for v in shape_violations(graph, homeless, layers, wings))
+    circle = {**graph, "art_nb.local.plan.choices": graph["art_nb.local.plan.choices"] | {"art_nb.local.trainers.base"}}
+    assert _cycle(folder_graph(circle, paths)) is not None
+    assert _cycle(folder_graph(graph, paths)) is None
 
 
 def test_no_module_is_over_the_size_limit() -> None:
