@@ -10,7 +10,7 @@ decode, which cost memory), and sleeps during the step when training would not f
 The cap, in this one process: `torch.cuda.set_per_process_memory_fraction` to the cap less the CUDA
 context (a real 15 GiB GPU has that much less free too) before any allocation (bounds PyTorch's
 allocator: the trainer, vLLM's weights, KV cache and activations); art_nb's memory plan
-reads the fraction back and plans vLLM's share within the cap (`vllm_plan._plannable_memory`), as a
+reads the fraction back and plans vLLM's share within the cap (`local/engines/vllm/args._plannable_memory`), as a
 user's capped process gets it. What is reported: device-wide used memory (total - free, what
 nvidia-smi shows), polled every 50 ms through registration, rollouts and one full train step (sleep,
 train, save, wake, LoRA load), and `torch.cuda.max_memory_reserved`; the headroom under the cap after

@@ -3,7 +3,7 @@
 A step hands the engine its new LoRA in memory (`load_adapter(name, path, weights=)`); the previous
 step's slot retires once no request uses it. "new_slot" makes a fresh peft adapter every time (what the
 engine did before, forced here by giving every load its own config key); "refill" copies into the
-retired slot of the same config (`hf_batch.AdapterTable`). Both in the same run, in alternating blocks
+retired slot of the same config (`local/engines/hf/batch.AdapterTable`). Both in the same run, in alternating blocks
 (a refill needs the slot retired by the load before it, made for the same config), on
 SmolLM2-135M-Instruct (art_nb's offline copy), a LoRA on all linear modules. Reported per load: the
 seconds `load_adapter` took plus the seconds the scheduler then spent deleting retired slots.

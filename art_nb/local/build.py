@@ -44,7 +44,7 @@ async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, 
     1. Unsloth is imported first (it asks to be imported before transformers, which vLLM and the
        peft trainer import; it imports vLLM itself too).
     2. The accelerator's free memory is read: the memory plan budgets the resident trainer itself,
-       so it plans from the memory as it was before the trainer loaded (vllm_plan.planned_memory).
+       so it plans from the memory as it was before the trainer loaded (engines/vllm/args.planned_memory).
     3. The trainer builds while vLLM's modules import (CPU only), once accelerate, which both import
        and cannot import side by side, is imported (`_import_shared`).
     4. vLLM builds, with the trainer resident. Its `gpu_memory_utilization` is an absolute share

@@ -8,7 +8,7 @@ What is written under `destination`:
     {name}-step{step}-lora.zip     the same directory, zipped (the thing to download from Colab)
     {name}-step{step}-merged/      with merge=True: base + LoRA folded into 16-bit weights (safetensors)
     {name}-step{step}-{type}.gguf  with gguf=True ("q8_0") or "f16"/"bf16"/"f32": that merged model for
-                                   llama.cpp/Ollama (export_gguf.py: where the converter comes from)
+                                   llama.cpp/Ollama (gguf.py: where the converter comes from)
 
 The adapter directory loads with `PeftModel.from_pretrained(base, path)`. Its `adapter_config.json`
 names the base model as the user gave it (a hub id), not the local cache path it was trained from,
@@ -127,7 +127,7 @@ def export_adapter(
     `base_model`: the hub id or path to name in `adapter_config.json` and to merge into (default:
     what the checkpoint says). `gguf` (True = "q8_0", or "f16"/"bf16"/"f32"): also a GGUF file of the
     merged model (merged even when `merge` is False), converted offline by llama.cpp's Python converter
-    found in `llama_cpp_dir`, `LLAMA_CPP_DIR` or the cache (export_gguf.py). `hub_repo` ("user/name"):
+    found in `llama_cpp_dir`, `LLAMA_CPP_DIR` or the cache (gguf.py). `hub_repo` ("user/name"):
     upload the adapter there when a token is found.
     """
     outtype = gguf_type(gguf) if gguf else None  # a bad type fails before anything is written

@@ -1,4 +1,4 @@
-"""The HF engine's adapter names and slots (hf_batch.AdapterTable): which retired slot is kept to be filled
+"""The HF engine's adapter names and slots (local/engines/hf/batch.AdapterTable): which retired slot is kept to be filled
 again, and when it goes. Pure bookkeeping, no model; tests/integration/test_hf_engine.py checks the weights."""
 
 from __future__ import annotations

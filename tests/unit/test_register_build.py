@@ -1,4 +1,4 @@
-"""Register's build (backends/local/build.py) with a fake engine and trainer: what overlaps, in which
+"""Register's build (art_nb/local/build.py) with a fake engine and trainer: what overlaps, in which
 order, and what a failure or an interrupt leaves behind."""
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_on_cpu_the_kv_cache_is_sized_in_bytes_and_nothing_sleeps(tmp_path):
 
 
 def test_no_engine_module_imports_the_trainers():
-    """The engine serves in the plan's dtype; it asks no trainer (engines/vllm.py once borrowed pick_dtype)."""
+    """The engine serves in the plan's dtype; it asks no trainer (the vLLM engine once borrowed pick_dtype)."""
     engines = Path(__file__).parents[2] / "art_nb" / "engines"
     for file in sorted(engines.glob("*.py")):
         for node in ast.walk(ast.parse(file.read_text())):

@@ -171,7 +171,7 @@ def import_unsloth() -> str:
     """Import Unsloth before transformers, as it asks; the sentence for the log.
 
     Unsloth patches transformers' classes as it loads; imported after them it warns "may run
-    slower". Register calls this before vLLM or a trainer imports transformers (trainers/peft.py does
+    slower". Register calls this before vLLM or a trainer imports transformers (trainers/peft_trainer.py does
     at module level). Unsloth imports vLLM too, when installed. Seconds: Unsloth's import is the
     slowest part of building its trainer.
     """

@@ -47,7 +47,7 @@ class UnslothTrainer(PeftTrainer):
             max_seq_length=self.config.max_seq_len,
             dtype=dtype,
             load_in_4bit=self.plan.load_in_4bit,
-            fast_inference=False,  # vLLM is ours (engines/vllm.py), not Unsloth's
+            fast_inference=False,  # vLLM is ours (local/engines/vllm/), not Unsloth's
             full_finetuning=False,
         )
         with quiet_checkpointing_alias():

@@ -9,7 +9,7 @@ that finish leave the batch at once and their request is answered as soon as its
 
 A prompt that starts like a sequence computed before under the same adapter (the conversation's
 previous turn, another game of the group) is prefilled from a copy of that sequence's KV: only the
-new tokens run (`hf_prefix`). `stats` counts the prefilled and reused tokens.
+new tokens run (`prefix.py`). `stats` counts the prefilled and reused tokens.
 
 All model work (forwards, adapter loads and deletes, device moves) runs on one worker thread, so it
 is serialized without locks and the event loop stays free for the server and the rollouts. A call
@@ -113,7 +113,7 @@ class HFEngine:
         `plan` (`plan_for(config)` when None) gives the device, the dtype the trainer shares and the
         CPU thread count; `device` overrides the plan's device (tests), not its dtype.
         `prefix_cache_bytes`: the prefix cache's budget (0: off; None: `ModelConfig.prefix_cache_gib`, whose
-        None is `hf_prefix.default_budget`).
+        None is `prefix.default_budget`).
         """
         from art_nb.local.plan.choices import plan_for
 

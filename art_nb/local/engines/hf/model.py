@@ -108,7 +108,7 @@ def _inject(model: Any, name: str, weights: AdapterWeights) -> Any:
 
 def refill(model: Any, name: str, weights: AdapterWeights) -> None:
     """Copy `weights` into the existing adapter slot `name`, made earlier for the same config: no peft
-    module surgery, so ~7x faster than `with_adapter` (hf_batch.AdapterTable says when)."""
+    module surgery, so ~7x faster than `with_adapter` (batch.AdapterTable says when)."""
     from peft import set_peft_model_state_dict
 
     with torch.no_grad():

@@ -235,7 +235,7 @@ def memory_snapshot() -> MemorySnapshot:
 def planned_memory(snapshot: MemorySnapshot | None) -> Iterator[None]:
     """Plan vLLM's share from `snapshot` (taken earlier) instead of the device's memory at build time.
 
-    Why: register builds the trainer before vLLM (backends/local/runtime.py says why) and the plan
+    Why: register builds the trainer before vLLM (local/runtime.py says why) and the plan
     budgets the resident trainer itself, so it must see the memory as it was before the trainer
     loaded; read afterwards, the trainer would be counted twice. A context variable, because
     `VLLMEngine.create` reads the memory through `engine_args` and takes no snapshot itself.

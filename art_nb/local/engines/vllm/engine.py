@@ -10,7 +10,7 @@ build and restored after, which is what `vllm.LLM` runs on) and drive it from as
 
 - every vLLM call (build, add_request, step, LoRA, sleep/wake) runs on ONE dedicated thread, in
   submission order, so vLLM only ever sees a single caller and the event loop never blocks;
-- that thread (`vllm_thread.VLLMThread`) loops `step()` itself while requests are unfinished and
+- that thread (`thread.VLLMThread`) loops `step()` itself while requests are unfinished and
   runs what was submitted between two steps: requests that arrive mid-batch join the running batch
   (continuous batching, as in vLLM's own server), with no thread hop per step; finished outputs go
   back to each waiter's event loop in one hop per step.
@@ -21,10 +21,10 @@ the model's distribution before temperature/top-p, which is what the trainer rec
 caches adapters by id and prefix-cache blocks by LoRA name (0.25; name and path in 0.32): reusing
 either for new weights would serve KV computed with the old ones. A train step hands its
 adapter over in memory (`load_adapter(..., weights=)`): vLLM builds it from those tensors
-(`vllm_lora`) and never reads the directory, where the checkpoint lands later in the background.
+(`lora.py`) and never reads the directory, where the checkpoint lands later in the background.
 
 Around a train step the engine arranges its own memory (`train_with`): it sleeps (level 1: KV
-cache freed, weights to CPU) unless the memory plan (`vllm_plan.engine_args`) says training fits
+cache freed, weights to CPU) unless the memory plan (`args.engine_args`) says training fits
 beside it awake, and falls back to sleeping for good after the first out-of-memory error there.
 The backend never sees a sleep call or a CUDA error type.
 """
@@ -89,7 +89,7 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         self._lora_ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
         self._adapters: dict[str, Any] = {}  # name -> LoRARequest
-        self._held: dict[int, AdapterWeights] = {}  # LoRA id -> weights vLLM builds it from (vllm_lora)
+        self._held: dict[int, AdapterWeights] = {}  # LoRA id -> weights vLLM builds it from (lora.py)
         self._spilled: dict[int, Path] = {}  # LoRA id -> temporary directory, where memory cannot be used
         self._from_memory: bool | None = None  # whether vLLM takes adapters from memory; None: not tried yet
         self._asleep = False
@@ -126,7 +126,7 @@ class VLLMEngine:
             _log.info("vLLM: %s", reason)
         thread = VLLMThread()
         reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
-                       "process, so its thread gets the GIL back soon after each GPU wait (vllm_thread.py)")
+                       "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
         try:
             engine = await thread.call(_build_engine, setup.kwargs)
         except Exception as exc:
