@@ -1,4 +1,5 @@
-"""Validated knobs: `ModelConfig` (how the model is served and trained) and `TrainConfig` (one step).
+"""Validated knobs: `ModelConfig` (how the model is served and trained), `TrainConfig` (one step)
+and `LOSSES`, the loss menu `TrainConfig.loss` picks from.
 
 Defaults are chosen for the common case (LoRA on an instruct model, one optimizer step per batch
 of groups); every rejected value says what would be accepted instead.
@@ -7,11 +8,78 @@ of groups); every rejected value says what would be accepted instead.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LoraConfig", "ModelConfig", "TrainConfig", "default_microbatch_tokens", "report_ignored"]
+__all__ = [
+    "LOSSES",
+    "LoraConfig",
+    "LossSpec",
+    "ModelConfig",
+    "TrainConfig",
+    "canonical_loss",
+    "default_microbatch_tokens",
+    "loss_choices",
+    "report_ignored",
+]
+
+Objective = Literal["clip", "cispo"]
+RatioLevel = Literal["token", "sequence"]
+Aggregation = Literal["trajectory", "token", "constant"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One loss of the menu: three choices art_nb/grpo/losses.py computes, and the defaults that go with them.
+
+    `objective`: the per-token objective over the policy ratio, "clip" (PPO, as in GRPO) or "cispo"
+    (MiniMax-M1). `ratio_level`: the default `importance_sampling_level`; "sequence" is what makes a
+    loss GSPO, so that one cannot be changed, while "token" can. `aggregation`: how token losses add
+    up to the batch loss (`losses.trajectory_divisors`). `epsilon`, `epsilon_high` (None: `epsilon`)
+    and `scale_rewards`: the defaults of those TrainConfig fields. `aliases`: other libraries' names
+    for the same loss (TRL's `loss_type`), which `art_nb.porting` accepts. `serverless`: the hosted W&B
+    Training API trains it (it has ART's two losses only).
+    """
+
+    objective: Objective
+    ratio_level: RatioLevel
+    aggregation: Aggregation
+    epsilon: float
+    epsilon_high: float | None = None
+    scale_rewards: bool = True
+    aliases: tuple[str, ...] = ()
+    serverless: bool = False
+
+
+# CISPO caps the importance weight at 5 (MiniMax-M1's setting) and puts no floor under it (ART's
+# epsilon 1.0); GSPO's epsilons are the paper's; Dr. GRPO leaves advantages unscaled because the
+# std's division is the question-level bias it removes. TRL's "grpo" is the per-trajectory mean of
+# the clip objective; its "bnpo" divides by the tokens of the local batch, which here is the whole
+# batch (one optimizer step per batch, microbatches only bound memory).
+LOSSES: dict[str, LossSpec] = {
+    "cispo": LossSpec("cispo", "token", "trajectory", epsilon=1.0, epsilon_high=4.0, serverless=True),  # ART's default
+    "ppo": LossSpec("clip", "token", "trajectory", epsilon=0.2, aliases=("grpo",), serverless=True),
+    "dapo": LossSpec("clip", "token", "token", epsilon=0.2, epsilon_high=0.28, aliases=("bnpo",)),
+    "dr_grpo": LossSpec("clip", "token", "constant", epsilon=0.2, scale_rewards=False),
+    "gspo": LossSpec("clip", "sequence", "trajectory", epsilon=3e-4, epsilon_high=4e-4),
+}
+# The menu's names as pydantic's choices: its error and the JSON schema list them.
+LossName = Literal[tuple(LOSSES)]  # type: ignore[valid-type]
+
+
+def canonical_loss(name: str) -> str:
+    """The menu's name for `name`, which may be another library's (TRL's "grpo" is "ppo"); unknown names
+    come back unchanged, for the caller to refuse."""
+    return next((key for key, spec in LOSSES.items() if name in spec.aliases), name)
+
+
+def loss_choices() -> str:
+    """The menu as a sentence for error messages: 'cispo' (ART's default), 'ppo' (TRL's 'grpo'), ..."""
+    names = [f"{name!r}" + (" (ART's default)" if name == TrainConfig.model_fields["loss"].default else "")
+             + "".join(f" (TRL's {alias!r})" for alias in spec.aliases) for name, spec in LOSSES.items()]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def default_microbatch_tokens(device: str) -> int:
@@ -70,30 +138,26 @@ class ModelConfig(BaseModel):
 class TrainConfig(BaseModel):
     """One GRPO step, with ART's fields and defaults: `TrainConfig(learning_rate=...)` ports unchanged.
 
-    ART's defaults: learning rate 5e-6 and the CISPO loss; `epsilon`/`epsilon_high` default by loss
-    as in ART (PPO: 0.2 and `epsilon`; CISPO: 1.0 and 4.0). art_nb's own demo and notebooks pass
-    what they were tuned with (`loss="ppo"` and their learning rate) explicitly.
-
-    The loss menu (art_nb/grpo/losses.py says what each one computes): "cispo" (ART's default),
-    "ppo" (TRL's "grpo"), "dapo" (token mean over the batch, clip-higher 0.28), "dr_grpo" (no length
-    normalisation, advantages not divided by the std unless `scale_rewards` is set), "gspo"
-    (sequence-level ratio, epsilon 3e-4 / 4e-4 as in the GSPO paper). The engine/trainer mismatch
-    correction and truncated-completion masking follow TRL's `GRPOConfig` (names without "vllm_").
+    ART's defaults: learning rate 5e-6 and the CISPO loss; `epsilon`, `epsilon_high`,
+    `importance_sampling_level` and `scale_rewards` default by loss, as `LOSSES` says (CISPO and PPO
+    as in ART). art_nb's own demo and notebooks pass what they were tuned with (`loss="ppo"` and
+    their learning rate) explicitly. The engine/trainer mismatch correction and truncated-completion
+    masking follow TRL's `GRPOConfig` (names without "vllm_").
     """
 
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = Field(5e-6, gt=0, le=1)
-    loss: Literal["cispo", "ppo", "dapo", "dr_grpo", "gspo"] = "cispo"
+    loss: LossName = Field("cispo", description="one of LOSSES: what each computes is in art_nb/grpo/losses.py")
     epsilon: float | None = Field(
-        None, gt=0, description="clip below 1 - epsilon (PPO: above 1 + epsilon too); None: 1.0 for CISPO, "
-        "3e-4 for GSPO, 0.2 for the others")
+        None, gt=0, description="clip below 1 - epsilon (PPO: above 1 + epsilon too); None: the loss's default "
+        "(LOSSES)")
     epsilon_high: float | None = Field(
-        None, gt=0, description="clip above 1 + epsilon_high (DAPO 'clip higher'); None: 4.0 for CISPO, 0.28 for "
-        "DAPO, 4e-4 for GSPO, epsilon for the others")
-    importance_sampling_level: Literal["token", "sequence"] | None = Field(
-        None, description="the policy ratio per token, or one per trajectory (GSPO); None: 'sequence' for gspo, "
-        "'token' otherwise")
+        None, gt=0, description="clip above 1 + epsilon_high (DAPO 'clip higher'); None: the loss's default "
+        "(LOSSES), else epsilon")
+    importance_sampling_level: RatioLevel | None = Field(
+        None, description="the policy ratio per token, or one per trajectory (GSPO); None: the loss's default "
+        "(LOSSES: 'sequence' for gspo, 'token' otherwise)")
     max_completion_length: int | None = Field(
         None, ge=1, description="dr_grpo's constant: each trajectory's summed token loss is divided by it; None: "
         "the model's max_seq_len")
@@ -114,7 +178,8 @@ class TrainConfig(BaseModel):
     kl_penalty_coef: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description="weight of a KL penalty to the base model (the LoRA disabled); 0 computes none")
-    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    scale_rewards: bool = Field(
+        True, description="divide advantages by the group's reward std; unset: the loss's default (LOSSES)")
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     adam_betas: tuple[float, float] = (0.9, 0.999)
@@ -132,20 +197,21 @@ class TrainConfig(BaseModel):
         for beta in self.adam_betas:
             if not 0 <= beta < 1:  # torch would only complain inside the first optimizer step
                 raise ValueError(f"adam_betas={self.adam_betas}: each beta must be in [0, 1), e.g. (0.9, 0.999)")
-        # Each loss's defaults (CISPO caps the importance weight at 5: MiniMax-M1's setting). Written
-        # to __dict__, not assigned: a default is not the user's choice, so it stays out of
-        # model_fields_set and a copy made for another loss (art_nb.porting) gets that loss's default.
+        # The loss's defaults. Written to __dict__, not assigned: a default is not the user's choice,
+        # so it stays out of model_fields_set and a copy made for another loss (art_nb.porting) gets
+        # that loss's default.
+        spec = LOSSES[self.loss]
         if self.epsilon is None:
-            self.__dict__["epsilon"] = {"cispo": 1.0, "gspo": 3e-4}.get(self.loss, 0.2)
-        if self.epsilon_high is None and self.loss in ("cispo", "dapo", "gspo"):
-            self.__dict__["epsilon_high"] = {"cispo": 4.0, "dapo": 0.28, "gspo": 4e-4}[self.loss]
+            self.__dict__["epsilon"] = spec.epsilon
+        if self.epsilon_high is None:
+            self.__dict__["epsilon_high"] = spec.epsilon_high
         if self.importance_sampling_level is None:
-            self.__dict__["importance_sampling_level"] = "sequence" if self.loss == "gspo" else "token"
-        elif self.loss == "gspo" and self.importance_sampling_level != "sequence":
-            raise ValueError("loss='gspo' is the sequence-level ratio: leave importance_sampling_level unset, or use "
-                             "loss='ppo' for token-level ratios")
-        if self.loss == "dr_grpo" and "scale_rewards" not in self.model_fields_set:
-            self.__dict__["scale_rewards"] = False  # Dr. GRPO: the std's division is the question-level bias it removes
+            self.__dict__["importance_sampling_level"] = spec.ratio_level
+        elif spec.ratio_level == "sequence" and self.importance_sampling_level != "sequence":
+            raise ValueError(f"loss={self.loss!r} is the sequence-level ratio: leave importance_sampling_level unset, "
+                             "or use loss='ppo' for token-level ratios")
+        if "scale_rewards" not in self.model_fields_set:
+            self.__dict__["scale_rewards"] = spec.scale_rewards
         if (self.importance_sampling_cap is not None and self.importance_sampling_floor is not None
                 and self.importance_sampling_floor >= self.importance_sampling_cap):
             raise ValueError(f"importance_sampling_floor={self.importance_sampling_floor} must be below "

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .config import LoraConfig, ModelConfig, TrainConfig, report_ignored
+from .config import LOSSES, LoraConfig, ModelConfig, TrainConfig, canonical_loss, loss_choices, report_ignored
 
 __all__ = ["model_config", "train_config"]
 
@@ -44,11 +44,6 @@ _TRAIN_FIELDS = {
     "vllm_importance_sampling_cap": "importance_sampling_cap",
     "vllm_importance_sampling_clip_min": "importance_sampling_floor",
 }
-# TRL's loss names that are another name for one of ours: TRL's "grpo" is the per-trajectory mean of
-# the clip objective ("ppo" here); "bnpo" divides by the tokens of the local batch, and art_nb's
-# local batch is the whole batch (one optimizer step per batch, microbatches only bound memory).
-_LOSS_ALIASES = {"grpo": "ppo", "bnpo": "dapo"}
-_LOSSES = ("cispo", "ppo", "dapo", "dr_grpo", "gspo")
 # Arguments that change nothing here whatever their value: art_nb always trains without logprobs
 # where the endpoint sent none (re-tokenising), `verbose` only printed.
 _NO_EFFECT = {"allow_training_without_logprobs", "verbose"}
@@ -98,10 +93,9 @@ def train_config(config: TrainConfig | None, kwargs: Mapping[str, Any], where: s
             ignored[name] = _WHY.get(name, "no equivalent in art_nb")
     loss = fields.get("loss")
     if loss is not None:
-        fields["loss"] = loss = _LOSS_ALIASES.get(loss, loss)
-        if loss not in _LOSSES:
-            raise ValueError(f"{where}: loss_fn={loss!r} is not available; use 'cispo' (ART's default), 'ppo' "
-                             "(TRL's 'grpo'), 'dapo', 'dr_grpo' or 'gspo'")
+        fields["loss"] = loss = canonical_loss(loss)  # TRL's names for ours (LOSSES' aliases)
+        if loss not in LOSSES:
+            raise ValueError(f"{where}: loss_fn={loss!r} is not available; use {loss_choices()}")
     level = fields.get("importance_sampling_level")
     if level not in (None, "token", "sequence"):
         raise ValueError(f"{where}: importance_sampling_level={level!r} is not available; use 'token' or 'sequence'")

@@ -16,16 +16,24 @@ A GRPO-family loss is three independent choices, named as in TRL's `GRPOConfig` 
    - "constant" (Dr. GRPO, TRL "dr_grpo"): sum over tokens / (trajectories x a fixed length), no
      length normalisation at all.
 
-The menu (`TrainConfig.loss`) picks one of each: cispo = CISPO/token/trajectory (ART's default),
-ppo = clip/token/trajectory (TRL's "grpo"), dapo = clip/token/token, dr_grpo = clip/token/constant
-(with unscaled advantages), gspo = clip/sequence/trajectory.
+The menu (`TrainConfig.loss`) picks one of each; `art_nb.config.LOSSES` is the table of which,
+with each loss's defaults.
+
+Departures from the papers, on purpose:
+- PPO-clip as in GRPO (DeepSeekMath); `epsilon_high` gives the asymmetric "clip higher" of DAPO.
+- CISPO (MiniMax-M1) caps the importance weight at 1 + epsilon_high (and, as ART allows, floors it
+  at 1 - epsilon: with ART's default epsilon of 1.0 there is no floor), and normalises per
+  trajectory rather than over all tokens of the batch.
+- The KL penalty to the reference (base) model is GRPO's: the k3 estimator added to each token's
+  loss (`kl_per_token`), not ART's reshaping of the advantages by the per-token log ratio.
 
 `mismatch_weights` is the separate, detached correction for the inference engine and the trainer
 disagreeing numerically about the same weights (TRL's `vllm_importance_sampling_correction`):
 w = pi_trainer / pi_engine per token ("token_*") or per trajectory ("sequence_*", the product over
 its tokens), truncated at a cap ("*_truncate") or zeroed beyond it ("*_mask").
 
-Shapes as in `loss.py`: [B, T] per token with a bool mask, advantages [B].
+Shapes as in `logprobs.py`: [B, T] per token with a bool mask, advantages [B] (one per trajectory,
+broadcast over its tokens).
 """
 
 from __future__ import annotations
@@ -35,18 +43,21 @@ from typing import Literal
 
 import torch
 
+from ..config import Aggregation, Objective, RatioLevel
+
 __all__ = [
     "Aggregation",
     "IsMode",
     "cispo_token_loss",
     "clip_token_loss",
+    "kl_per_token",
     "masked_mean",
     "mismatch_weights",
     "policy_log_ratio",
+    "token_loss",
     "trajectory_divisors",
 ]
 
-Aggregation = Literal["trajectory", "token", "constant"]
 IsMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
@@ -59,7 +70,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 
 def policy_log_ratio(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: Literal["token", "sequence"]
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: RatioLevel
 ) -> torch.Tensor:
     """log r per token [B, T]: logp - old ("token"), or each row's masked mean of it ("sequence", GSPO).
 
@@ -98,6 +109,31 @@ def cispo_token_loss(
     weight = torch.clamp(ratio, min=1 - epsilon, max=1 + epsilon_high)
     bounded = (ratio > 1 + epsilon_high) | (ratio < 1 - epsilon)
     return -weight * advantages.unsqueeze(-1) * logprobs, bounded
+
+
+def token_loss(
+    objective: Objective,
+    log_ratio: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss of `objective` (a loss's `LossSpec.objective`), and where its clip acted."""
+    if objective == "clip":
+        return clip_token_loss(log_ratio, advantages, epsilon, epsilon_high)
+    if objective == "cispo":
+        return cispo_token_loss(log_ratio, logprobs, advantages, epsilon, epsilon_high)
+    raise ValueError(f"objective={objective!r}: use 'clip' or 'cispo'")
+
+
+def kl_per_token(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(policy || reference) at each token [B, T] by the k3 estimator, exp(ref - logp) - (ref - logp) - 1
+    (http://joschu.net/blog/kl-approx.html; GRPO, DeepSeekMath eq. 4): non-negative, 0 where the two
+    agree and outside the mask (NaN reference logprobs there included). The gradient flows through
+    `logprobs` only."""
+    log_ratio = torch.where(mask.bool(), reference_logprobs.detach(), logprobs.detach()) - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def trajectory_divisors(

@@ -34,7 +34,7 @@ import torch
 from ..sft_config import TrainSFTConfig
 from ..trajectories import Choice, Trajectory
 from ..types import ProgressCallback
-from .loss import token_logprobs
+from .logprobs import token_logprobs
 from .step import _collate, microbatches
 from .tokens import TokenizedTrajectory, tokenize_trajectory
 

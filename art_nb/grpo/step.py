@@ -8,7 +8,7 @@ in: each microbatch's loss is divided by counts taken over the batch.
 Old logprobs (the denominator of the policy ratio) are the trainer's own, detached: the engine
 sampled with the weights the trainer holds before this step. Where the engine sent logprobs, a
 separate detached weight pi_trainer / pi_engine, bounded as `config.importance_sampling_mode`
-says, corrects for the two disagreeing numerically (loss.py's docstring has the reasoning). With
+says, corrects for the two disagreeing numerically (logprobs.py's docstring has the reasoning). With
 `importance_sampling_correction=False` the engine's logprobs are the old logprobs instead, as in ART.
 
 A step whose loss or gradient norm is not finite changes nothing: gradients are dropped, the
@@ -35,26 +35,14 @@ from typing import Any
 
 import torch
 
-from ..config import TrainConfig
+from ..config import LOSSES, TrainConfig
 from ..types import ProgressCallback
 from .advantages import PreparedBatch
-from .loss import kl_per_token, token_logprobs
-from .losses import (
-    Aggregation,
-    cispo_token_loss,
-    clip_token_loss,
-    masked_mean,
-    mismatch_weights,
-    policy_log_ratio,
-    trajectory_divisors,
-)
+from .logprobs import token_logprobs
+from .losses import kl_per_token, masked_mean, mismatch_weights, policy_log_ratio, token_loss, trajectory_divisors
 from .tokens import TokenizedTrajectory
 
-__all__ = ["AGGREGATION", "grpo_step", "microbatches"]
-
-# How each loss of the menu adds up its token losses (losses.trajectory_divisors).
-AGGREGATION: dict[str, Aggregation] = {
-    "cispo": "trajectory", "ppo": "trajectory", "gspo": "trajectory", "dapo": "token", "dr_grpo": "constant"}
+__all__ = ["grpo_step", "microbatches"]
 
 
 def grpo_step(
@@ -72,7 +60,7 @@ def grpo_step(
     """Forward/backward every microbatch, clip the gradient, step once. Returns step metrics.
 
     `config.kl_penalty_coef` > 0 adds that times the KL to the reference model to each trajectory's
-    loss (`kl_to_reference`). The reference is `model` itself inside `reference()`: the trainer's
+    loss (`losses.kl_per_token`). The reference is `model` itself inside `reference()`: the trainer's
     `peft_model.disable_adapter`, so the base model costs one extra forward per microbatch under
     no_grad and no memory for a second copy. `reference_kl` in the metrics is its mean per token.
 
@@ -172,18 +160,16 @@ def _microbatch_loss(
     else:
         old = torch.where(known, mb.engine_logprobs, logprobs.detach())
         weights, bounded = torch.ones_like(logprobs), torch.zeros_like(known)
+    spec = LOSSES[config.loss]
     level = "sequence" if config.importance_sampling_level == "sequence" else "token"
     log_ratio = policy_log_ratio(logprobs, old, mb.mask, level)
-    if config.loss == "cispo":
-        per_token, clipped = cispo_token_loss(log_ratio, logprobs, mb.advantages, config.epsilon, epsilon_high)
-    else:
-        per_token, clipped = clip_token_loss(log_ratio, mb.advantages, config.epsilon, epsilon_high)
+    per_token, clipped = token_loss(spec.objective, log_ratio, logprobs, mb.advantages, config.epsilon, epsilon_high)
     per_token = per_token * weights
     if reference_logprobs is not None:
         reference_kl = kl_per_token(logprobs, reference_logprobs, mb.mask)
         per_token = per_token + config.kl_penalty_coef * reference_kl
         totals.reference_kl += float(torch.where(mb.mask, reference_kl.detach(), 0.0).sum())
-    divisors = trajectory_divisors(AGGREGATION[config.loss], mb.mask.sum(-1), trajectories, batch_tokens, constant)
+    divisors = trajectory_divisors(spec.aggregation, mb.mask.sum(-1), trajectories, batch_tokens, constant)
     loss = (torch.where(mb.mask, per_token, 0.0).sum(-1) / divisors).sum()
     return loss, clipped, weights, bounded
 

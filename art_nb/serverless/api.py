@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from art_nb.config import TrainConfig
+from art_nb.config import LOSSES, TrainConfig
 from art_nb.secrets import Secret
 from art_nb.trajectories import TrajectoryGroup
 from art_nb.wire import LoopClients, RetryPolicy, request_with_retries
@@ -68,13 +68,14 @@ def experimental_config(config: TrainConfig) -> dict[str, Any]:
     The service trains with ART's losses (CISPO, PPO); the rest of art_nb's menu runs locally only, and
     is refused here rather than sent as a name the service would reject or, worse, read as another loss.
     """
-    if config.loss not in ("cispo", "ppo"):
-        raise ValueError(f"loss={config.loss!r} runs on LocalBackend only; the hosted service trains with "
-                         "loss='cispo' or loss='ppo'")
+    spec = LOSSES[config.loss]
+    if not spec.serverless:
+        hosted = " or ".join(f"loss={name!r}" for name, other in LOSSES.items() if other.serverless)
+        raise ValueError(f"loss={config.loss!r} runs on LocalBackend only; the hosted service trains with {hosted}")
     return {
         "learning_rate": config.learning_rate,
         "loss_fn": config.loss,
-        "ppo": config.loss == "ppo",
+        "ppo": spec.objective == "clip",  # ART's flag: the clip objective instead of CISPO's
         "epsilon": config.epsilon,
         "epsilon_high": config.epsilon_high,
         "scale_rewards": config.scale_rewards,

@@ -116,7 +116,7 @@ async def test_engine_and_trainer_start(stack):
 async def test_generation_returns_token_ids_and_raw_logprobs_matching_the_trainer(stack):
     import torch
 
-    from art_nb.grpo.loss import token_logprobs
+    from art_nb.grpo.logprobs import token_logprobs
 
     backend, model, _ = stack
     completion = await model.openai_client().chat.completions.create(

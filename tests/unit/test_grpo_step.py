@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from art_nb.config import TrainConfig
 from art_nb.grpo.advantages import PreparedBatch
-from art_nb.grpo.loss import token_logprobs
+from art_nb.grpo.logprobs import token_logprobs
 from art_nb.grpo.step import grpo_step, microbatches
 from art_nb.grpo.tokens import TokenizedTrajectory
 

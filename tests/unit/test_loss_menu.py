@@ -11,12 +11,15 @@ import math
 import pytest
 import torch
 
+from art_nb.config import LOSSES
 from art_nb.grpo.losses import (
     clip_token_loss,
     mismatch_weights,
     policy_log_ratio,
+    token_loss,
     trajectory_divisors,
 )
+from art_nb.porting import train_config
 from tests.unit.test_losses import (  # the same hand-checked batch
     ADVANTAGES,
     MASK,
@@ -131,3 +134,24 @@ def test_mismatch_weight_is_one_without_engine_logprobs():
     assert torch.all(weights == 1) and not outside.any()
     with pytest.raises(ValueError, match="token_truncate"):
         mismatch_weights(TRAINER, ENGINE, KNOWN, "tokens", cap=3.0)  # type: ignore[arg-type]
+
+
+# ---- the table (art_nb.config.LOSSES) --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_of_the_table_is_computed_by_the_pieces(name):
+    spec = LOSSES[name]
+    lp = logprobs()
+    per_token, _ = token_loss(spec.objective, policy_log_ratio(lp, old(lp), MASK, spec.ratio_level), lp, ADVANTAGES,
+                              spec.epsilon, spec.epsilon_high or spec.epsilon)
+    assert torch.isfinite(batch_loss(per_token, spec.aggregation)).item()
+    with pytest.raises(ValueError, match="'clip' or 'cispo'"):
+        token_loss("sapo", per_token, lp, ADVANTAGES, 0.2, 0.2)  # type: ignore[arg-type]
+
+
+def test_aliases_name_one_loss_each_and_port_to_it():
+    aliases = [alias for spec in LOSSES.values() for alias in spec.aliases]
+    assert len(aliases) == len(set(aliases)) and not set(aliases) & set(LOSSES)
+    for name, spec in LOSSES.items():
+        for alias in spec.aliases:
+            assert train_config(None, {"loss_type": alias}, "t").loss == name

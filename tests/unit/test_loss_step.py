@@ -21,13 +21,11 @@ from test_grpo_step import (  # noqa: F401
     with_engine_logprobs,
 )
 
-from art_nb.config import TrainConfig
+from art_nb.config import LOSSES, TrainConfig
 from art_nb.grpo.advantages import PreparedBatch, prepare_batch
 from art_nb.grpo.step import grpo_step, microbatches
 from art_nb.porting import train_config
 from art_nb.trajectories import Trajectory, TrajectoryGroup
-
-LOSSES = ["cispo", "ppo", "dapo", "dr_grpo", "gspo"]
 
 
 def lora(dtype: torch.dtype = torch.float32):

@@ -1,6 +1,8 @@
 """masked_mean, PPO-clip, CISPO and the KL to the reference against values worked out by hand.
 
 Both trajectories have ratios (1, 1.5, 0.5) on their three tokens; the second masks its third.
+Each objective is checked as a per-trajectory mean of its token losses (the "trajectory"
+aggregation of grpo/losses.py), the shape GRPO's paper writes it in.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 import pytest
 import torch
 
-from art_nb.grpo.loss import cispo_loss, kl_to_reference, masked_mean, ppo_clip_loss
+from art_nb.grpo.losses import kl_per_token, masked_mean, policy_log_ratio, token_loss
 
 MASK = torch.tensor([[True, True, True], [True, True, False]])
 ADVANTAGES = torch.tensor([1.0, -2.0])
@@ -27,6 +29,19 @@ def old(lp: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def per_trajectory(objective: str, lp: torch.Tensor, old_lp: torch.Tensor, epsilon: float,
+                   epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each trajectory's mean token loss [B], and the share of masked tokens whose clip acted."""
+    per_token, clipped = token_loss(objective, policy_log_ratio(lp, old_lp, MASK, "token"), lp, ADVANTAGES,
+                                    epsilon, epsilon_high)
+    return masked_mean(per_token, MASK, dim=-1), masked_mean(clipped.float(), MASK)
+
+
+def kl_to_reference(lp: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each trajectory's mean KL to the reference [B]."""
+    return masked_mean(kl_per_token(lp, reference, mask), mask, dim=-1)
+
+
 def test_masked_mean():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, math.nan]])
     mask = torch.tensor([[True, True, False], [True, True, False]])
@@ -37,7 +52,7 @@ def test_masked_mean():
 
 def test_ppo_clip_loss_by_hand():
     lp = logprobs()
-    loss, clip_fraction = ppo_clip_loss(lp, old(lp), ADVANTAGES, MASK, epsilon=0.2)
+    loss, clip_fraction = per_trajectory("clip", lp, old(lp), epsilon=0.2, epsilon_high=0.2)
     # row 0, A=+1: min(r, clip(r, .8, 1.2)) = (1, 1.2, .5) -> mean .9
     # row 1, A=-2: min(-2r, -2 clip(r)) = (-2, -3) on its two tokens -> mean -2.5
     torch.testing.assert_close(loss, torch.tensor([-0.9, 2.5]))
@@ -49,7 +64,7 @@ def test_ppo_clip_loss_by_hand():
 
 def test_ppo_clip_higher():
     lp = logprobs()
-    loss, clip_fraction = ppo_clip_loss(lp, old(lp), ADVANTAGES, MASK, epsilon=0.2, epsilon_high=0.6)
+    loss, clip_fraction = per_trajectory("clip", lp, old(lp), epsilon=0.2, epsilon_high=0.6)
     # row 0: clip(1.5, .8, 1.6) = 1.5 -> min = (1, 1.5, .5) -> mean 1.0; row 1 unchanged
     torch.testing.assert_close(loss, torch.tensor([-1.0, 2.5]))
     assert clip_fraction.item() == 0.0
@@ -57,7 +72,7 @@ def test_ppo_clip_higher():
 
 def test_cispo_loss_by_hand():
     lp = logprobs()
-    loss, clip_fraction = cispo_loss(lp, old(lp), ADVANTAGES, MASK, epsilon_high=0.2)
+    loss, clip_fraction = per_trajectory("cispo", lp, old(lp), epsilon=1.0, epsilon_high=0.2)
     # weights min(r, 1.2) = (1, 1.2, .5), never clipped from below
     # row 0: -((1)(-1) + (1.2)(-2) + (.5)(-.5)) / 3 = 3.65 / 3;  row 1: -((-2)(-1) + (1.2)(-2)(-2)) / 2 = -3.4
     torch.testing.assert_close(loss, torch.tensor([3.65 / 3, -3.4]))
@@ -70,22 +85,22 @@ def test_cispo_loss_by_hand():
 def test_losses_agree_on_policy():
     """With ratio 1 everywhere both reduce to the policy gradient -A grad(logprob)."""
     lp = logprobs()
-    ppo, _ = ppo_clip_loss(lp, lp.detach(), ADVANTAGES, MASK, epsilon=0.2)
+    ppo, _ = per_trajectory("clip", lp, lp.detach(), epsilon=0.2, epsilon_high=0.2)
     (ppo_grad,) = torch.autograd.grad(ppo.sum(), lp)
-    cispo, _ = cispo_loss(lp, lp.detach(), ADVANTAGES, MASK, epsilon_high=0.2)
+    cispo, _ = per_trajectory("cispo", lp, lp.detach(), epsilon=1.0, epsilon_high=0.2)
     (cispo_grad,) = torch.autograd.grad(cispo.sum(), lp)
     torch.testing.assert_close(ppo_grad, cispo_grad)
 
 
 def test_cispo_floor_from_epsilon():
     lp = logprobs()
-    loss, clip_fraction = cispo_loss(lp, old(lp), ADVANTAGES, MASK, epsilon_high=0.2, epsilon=0.4)
+    loss, clip_fraction = per_trajectory("cispo", lp, old(lp), epsilon=0.4, epsilon_high=0.2)
     # weights clip(r, .6, 1.2) = (1, 1.2, .6): row 0's r=.5 is raised to the floor
     # row 0: -((1)(-1) + (1.2)(-2) + (.6)(-.5)) / 3 = 3.7 / 3;  row 1 as without a floor: -3.4
     torch.testing.assert_close(loss, torch.tensor([3.7 / 3, -3.4]))
     assert clip_fraction.item() == pytest.approx(3 / 5)  # two capped above, one floored
     # ART's CISPO default (epsilon 1.0) has no floor: the same as leaving it out
-    default, _ = cispo_loss(lp, old(lp), ADVANTAGES, MASK, epsilon_high=0.2, epsilon=1.0)
+    default, _ = per_trajectory("cispo", lp, old(lp), epsilon=1.0, epsilon_high=0.2)
     torch.testing.assert_close(default, torch.tensor([3.65 / 3, -3.4]))
 
 

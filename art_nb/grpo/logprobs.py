@@ -1,10 +1,8 @@
-"""Per-token logprobs, the per-trajectory PPO-clip and CISPO losses, the KL to the reference.
+"""The trainer's per-token logprobs (`token_logprobs`), and whose logprobs the loss compares.
 
 Shapes: a batch of B right-padded sequences of length T predicts T-1 tokens each, so logprobs,
-old logprobs and masks are [B, T-1] and advantages are [B] (one per trajectory, broadcast over
-its tokens). `ppo_clip_loss` and `cispo_loss` are a per-token mean within a trajectory, returned per
-trajectory [B]. Old logprobs outside the mask are ignored (NaN is fine there: prompt and padding
-have none). The whole loss menu (DAPO, Dr. GRPO, GSPO) is built from the pieces in `losses.py`.
+old logprobs and masks are [B, T-1]. Old logprobs outside the mask are ignored (NaN is fine there:
+prompt and padding have none). The losses built on them are in `losses.py`.
 
 What the "old policy" is, and the engine mismatch (the decision, after TRL's GRPOTrainer):
 - art_nb takes one optimizer step per batch, and the engine sampled with exactly the weights the
@@ -25,14 +23,6 @@ What the "old policy" is, and the engine mismatch (the decision, after TRL's GRP
   PPO: tokens beyond 1 +- epsilon lose their gradient).
 Per step `grpo_step` reports the mismatch: `mismatch_kl` (k3), `mismatch_logprob_abs` (mean
 |engine - trainer| logprob) and the share of tokens the cap acted on.
-
-Departures from the papers, on purpose:
-- PPO-clip as in GRPO (DeepSeekMath); `epsilon_high` gives the asymmetric "clip higher" of DAPO.
-- CISPO (MiniMax-M1) caps the importance weight at 1 + epsilon_high (and, as ART allows, floors it
-  at 1 - epsilon: with ART's default epsilon of 1.0 there is no floor), and normalises per
-  trajectory rather than over all tokens of the batch.
-- The KL penalty to the reference (base) model is GRPO's: the k3 estimator added to the loss
-  (`kl_to_reference`), not ART's reshaping of the advantages by the per-token log ratio.
 """
 
 from __future__ import annotations
@@ -42,9 +32,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .losses import cispo_token_loss, clip_token_loss, masked_mean, policy_log_ratio
-
-__all__ = ["cispo_loss", "kl_per_token", "kl_to_reference", "masked_mean", "ppo_clip_loss", "token_logprobs"]
+__all__ = ["token_logprobs"]
 
 
 def token_logprobs(
@@ -100,69 +88,3 @@ def token_logprobs(
         logprob = logprob.masked_scatter(positions, torch.cat(logprobs))
         entropy = entropy.masked_scatter(positions, torch.cat(entropies))
     return logprob, entropy
-
-
-def ppo_clip_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    epsilon: float,
-    epsilon_high: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-min(r A, clip(r, 1-eps, 1+eps_high) A) per token, r = exp(logprob - old); mean per trajectory.
-
-    Returns (loss [B], clip_fraction): the share of masked tokens whose clipped term was the
-    smaller one, i.e. whose gradient the clip removed.
-    """
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, "token")
-    per_token, clipped = clip_token_loss(log_ratio, advantages, epsilon, epsilon_high)
-    loss = masked_mean(per_token, mask, dim=-1)
-    clip_fraction = masked_mean(clipped.float(), mask)
-    return loss, clip_fraction
-
-
-def cispo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    epsilon_high: float,
-    epsilon: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-sg(clip(r, 1-eps, 1+eps_high)) A logprob per token; mean per trajectory.
-
-    Unlike PPO, a clipped token keeps its gradient (through logprob); only its weight is bounded.
-    `epsilon` = 1 (ART's CISPO default) puts no floor under the weight. Returns (loss [B],
-    clip_fraction): the share of masked tokens whose weight was bounded.
-    """
-    log_ratio = policy_log_ratio(logprobs, old_logprobs, mask, "token")
-    per_token, bounded = cispo_token_loss(log_ratio, logprobs, advantages, epsilon, epsilon_high)
-    loss = masked_mean(per_token, mask, dim=-1)
-    clip_fraction = masked_mean(bounded.float(), mask)
-    return loss, clip_fraction
-
-
-def kl_to_reference(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(policy || reference) per trajectory [B]: the masked mean of the k3 estimator per token,
-    exp(ref - logp) - (ref - logp) - 1 (http://joschu.net/blog/kl-approx.html; GRPO, DeepSeekMath
-    eq. 4). Non-negative, 0 where the two agree; the gradient flows through `logprobs` only."""
-    return masked_mean(kl_per_token(logprobs, reference_logprobs, mask), mask, dim=-1)
-
-
-def kl_per_token(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The k3 estimator of KL(policy || reference) at each token [B, T]; 0 outside the mask."""
-    log_ratio = _outside_mask_as_current(reference_logprobs.detach(), logprobs, mask) - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def _outside_mask_as_current(
-    old_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """Old logprobs with untrained positions set to the current ones (ratio 1 there).
-
-    Padding and prompt positions carry NaN old logprobs; even masked out of the mean, a NaN ratio
-    would turn the zero gradient there into NaN.
-    """
-    return torch.where(mask.bool(), old_logprobs, logprobs.detach())
