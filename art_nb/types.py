@@ -9,12 +9,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .config import ModelConfig
 
 __all__ = [
+    "ExportResult",
     "InferenceEndpoint",
     "LocalTrainResult",
     "Message",
@@ -99,3 +101,30 @@ def check_name(kind: str, value: str) -> str:
 def inference_name(name: str, step: int | None = None) -> str:
     """The name a model is served under: `name` for the newest weights, `name@step` for a checkpoint."""
     return name if step is None else f"{name}@{step}"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Where an export went: written by `art_nb.local.export`, shown by `art_nb.notebook.show_export`.
+    `notes` says what was skipped and why (no secrets in here, ever)."""
+
+    step: int
+    adapter_dir: Path
+    zip_path: Path | None = None
+    merged_dir: Path | None = None
+    gguf_path: Path | None = None
+    hub_url: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __str__(self) -> str:
+        lines = [f"exported step {self.step}", f"  adapter: {self.adapter_dir}"]
+        if self.zip_path:
+            lines.append(f"  zip:     {self.zip_path}")
+        if self.merged_dir:
+            lines.append(f"  merged:  {self.merged_dir}")
+        if self.gguf_path:
+            lines.append(f"  gguf:    {self.gguf_path}")
+        if self.hub_url:
+            lines.append(f"  hub:     {self.hub_url}")
+        lines += [f"  note:    {note}" for note in self.notes]
+        return "\n".join(lines)

@@ -32,13 +32,12 @@ import re
 import shutil
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from art_nb.secrets import Secret, find_secret
 from art_nb.store import ADAPTER_FILES, META_FILE, checkpoint_path, checkpoint_steps
-from art_nb.types import check_name
+from art_nb.types import ExportResult, check_name
 
 from .gguf import convert_to_gguf, gguf_type
 
@@ -52,32 +51,6 @@ _log = logging.getLogger("art_nb")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 _HUB_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    """Where the export went. `notes` says what was skipped and why (no secrets in here, ever)."""
-
-    step: int
-    adapter_dir: Path
-    zip_path: Path | None = None
-    merged_dir: Path | None = None
-    gguf_path: Path | None = None
-    hub_url: str | None = None
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    def __str__(self) -> str:
-        lines = [f"exported step {self.step}", f"  adapter: {self.adapter_dir}"]
-        if self.zip_path:
-            lines.append(f"  zip:     {self.zip_path}")
-        if self.merged_dir:
-            lines.append(f"  merged:  {self.merged_dir}")
-        if self.gguf_path:
-            lines.append(f"  gguf:    {self.gguf_path}")
-        if self.hub_url:
-            lines.append(f"  hub:     {self.hub_url}")
-        lines += [f"  note:    {note}" for note in self.notes]
-        return "\n".join(lines)
 
 
 _NO_HUB_TOKEN = ("no Hugging Face token: pass token=..., add a Colab secret named HF_TOKEN (key icon, with "

@@ -1,4 +1,4 @@
-"""Keep a run's directory on Google Drive when the notebook runs on Colab.
+"""Colab: whether this kernel runs there, and keeping a run's directory on Google Drive when it does.
 
 A Colab runtime is recycled when the browser disconnects for long or the session times out, and
 its disk goes with it: checkpoints, `history.jsonl` and the trajectories. With the notebooks'
@@ -12,15 +12,25 @@ model directory's writer lock, registering would say so.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from pathlib import Path
 
-from .hardware import in_colab
-
-__all__ = ["DRIVE_MOUNT", "keep_on_drive"]
+__all__ = ["DRIVE_MOUNT", "in_colab", "keep_on_drive"]
 
 DRIVE_MOUNT = "/content/drive"
 _log = logging.getLogger("art_nb.notebook")
+
+
+def in_colab() -> bool:
+    """True inside a Google Colab runtime (its kernel sets COLAB_RELEASE_TAG and ships google.colab)."""
+    if os.environ.get("COLAB_RELEASE_TAG"):
+        return True
+    try:
+        return importlib.util.find_spec("google.colab") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def keep_on_drive(art_path: str, folder: str = "art_nb", mount_point: str = DRIVE_MOUNT) -> str:

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..local.export import ExportResult
-from .hardware import in_colab
+from ..types import ExportResult
+from .colab import in_colab
 
 __all__ = ["ExportView", "show_export"]
 
