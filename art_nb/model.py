@@ -24,7 +24,7 @@ from . import porting
 from .config import ModelConfig, TrainConfig
 from .sft_config import TrainSFTConfig
 from .trajectories import Trajectory, TrajectoryGroup
-from .types import check_name
+from .types import check_name, inference_name
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -97,8 +97,7 @@ class Model(BaseModel):
         """The model name to send to the endpoint (for a trained model, `name@step`; default: the served step)."""
         if self.trainable and self._backend is not None:
             return self._backend.inference_model_name(self, step)
-        name = self.inference_model_name or self.name
-        return name if step is None else f"{name}@{step}"
+        return inference_name(self.inference_model_name or self.name, step)
 
     def _endpoint(self) -> tuple[str, str]:
         if self.inference_base_url:

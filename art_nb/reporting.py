@@ -38,14 +38,12 @@ from typing import Any, Protocol, cast
 from . import events
 from ._version import __version__
 from .secrets import MissingSecretError, Secret, find_secret
-from .store import read_jsonl, trajectory_files
+from .store import RUN_ID_FILE, read_jsonl, trajectory_files
 from .types import ModelRef, TrainableModelRef
 
 __all__ = ["KEY_NAME", "RUN_ID_FILE", "Reporter", "resolve_targets", "start"]
 
 KEY_NAME = "WANDB_API_KEY"
-RUN_ID_FILE = "wandb_run_id"
-"""The W&B run id of a model, in its directory: the same run continues after a kernel restart."""
 TARGETS = ("wandb", "trackio")
 _MAX_TRAJECTORIES = 256  # rows of one step's trajectory table
 _log = logging.getLogger("art_nb")

@@ -4,6 +4,11 @@
         checkpoints/{step:04d}/   adapter_model.safetensors, adapter_config.json, trainer_state.pt, meta.json
         history.jsonl             one line per logged step (metrics), appended before the step trains
         trajectories/{split}/{step:04d}.jsonl
+        wandb_run_id              the W&B run this model logs to, so a restarted kernel continues it
+        serverless.json           the hosted training job being followed (ServerlessBackend)
+        .writer.lock              held by the one process that writes here
+
+Every path under a model directory is spelled here; the rest of the package asks for it by name.
 
 A checkpoint is written into a hidden temporary sibling and renamed into place, so a crash at any
 moment leaves either the complete checkpoint or none: "latest" is never half-written. A training step
@@ -34,6 +39,11 @@ from .types import check_name
 
 __all__ = [
     "ADAPTER_FILES",
+    "CHECKPOINTS_DIR",
+    "RECORD_PARTS",
+    "RUN_ID_FILE",
+    "SERVERLESS_JOB_FILE",
+    "TRAJECTORIES_DIR",
     "CheckpointError",
     "StoreLockedError",
     "HISTORY_FILE",
@@ -42,9 +52,14 @@ __all__ = [
     "TRAINER_STATE",
     "check_name",
     "checkpoint_path",
+    "checkpoint_key",
+    "checkpoint_step_of",
     "checkpoint_steps",
+    "checkpoints_dir",
     "model_dir",
+    "model_subpath",
     "read_jsonl",
+    "staging_path",
     "trajectory_files",
     "write_adapter",
 ]
@@ -53,6 +68,14 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")  # what an 
 TRAINER_STATE = "trainer_state.pt"  # optimizer + RNG state, loaded with weights_only=True
 META_FILE = "meta.json"
 HISTORY_FILE = "history.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+TRAJECTORIES_DIR = "trajectories"
+RUN_ID_FILE = "wandb_run_id"
+SERVERLESS_JOB_FILE = "serverless.json"
+# What a pull from S3 can leave out (`exclude=`), as path prefixes inside a model directory; "logs" is
+# the history and the logs/ folder a bucket ART wrote may hold.
+RECORD_PARTS = {"checkpoints": (f"{CHECKPOINTS_DIR}/",), "trajectories": (f"{TRAJECTORIES_DIR}/",),
+                "logs": (HISTORY_FILE, "logs/")}
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _STEP_FILE = re.compile(r"^(\d{4,})\.jsonl$")
 _TMP_PREFIX = ".tmp-"
@@ -66,9 +89,40 @@ class StoreLockedError(RuntimeError):
     """Another process (or backend) writes this model directory; names its pid."""
 
 
+def model_subpath(project: str, name: str) -> str:
+    """`{project}/models/{name}`: where a model's run lives under a root (a backend's path, an S3 prefix)."""
+    return f"{check_name('project', project)}/models/{check_name('name', name)}"
+
+
 def model_dir(root: str | os.PathLike[str], project: str, name: str) -> Path:
     """Where a model's run lives under `root`, without creating or opening anything."""
-    return Path(root).expanduser().resolve() / check_name("project", project) / "models" / check_name("name", name)
+    return Path(root).expanduser().resolve() / model_subpath(project, name)
+
+
+def checkpoints_dir(model_dir: Path) -> Path:
+    """The `checkpoints/` directory of a model directory (it may not exist)."""
+    return model_dir / CHECKPOINTS_DIR
+
+
+def checkpoint_key(step: int) -> str:
+    """`checkpoints/{step:04d}`: checkpoint `step` relative to its model directory, as an S3 key prefix."""
+    return checkpoint_path(Path(CHECKPOINTS_DIR), step).as_posix()
+
+
+def checkpoint_step_of(relative: str) -> int | None:
+    """The step of the checkpoint holding the file at `relative` (a posix path inside a model
+    directory, as in S3 keys); None for a file that is not in a checkpoint."""
+    parts = relative.split("/")
+    if len(parts) > 2 and parts[0] == CHECKPOINTS_DIR and _STEP_DIR.match(parts[1]):
+        return int(parts[1])
+    return None
+
+
+def staging_path(directory: Path, label: str) -> Path:
+    """A hidden temporary path in `directory` for something renamed into place once complete. Hidden,
+    so it never leaves the machine (S3 skips hidden files); under `checkpoints/`, the next writer
+    removes it after a crash."""
+    return directory / f"{_TMP_PREFIX}{label}-{os.getpid()}"
 
 
 def checkpoint_steps(checkpoints: Path) -> list[int]:
@@ -87,7 +141,7 @@ def checkpoint_path(checkpoints: Path, step: int) -> Path:
 
 def trajectory_files(model_dir: Path) -> list[tuple[str, int, Path]]:
     """(split, step, path) of every trajectories file under a model directory, newest step first, train first."""
-    root = model_dir / "trajectories"
+    root = model_dir / TRAJECTORIES_DIR
     found = []
     if root.is_dir():
         for split_dir in root.iterdir():
@@ -263,7 +317,7 @@ class ModelStore:
     def trajectory_file(self, split: str, step: int) -> Path:
         if step < 0:
             raise ValueError(f"step must be 0 or more, got {step}")
-        return self.dir / "trajectories" / check_name("split", split) / f"{step:04d}.jsonl"
+        return self.dir / TRAJECTORIES_DIR / check_name("split", split) / f"{step:04d}.jsonl"
 
     def append_trajectories(self, split: str, step: int, records: Iterable[dict[str, Any]]) -> Path:
         path = self.trajectory_file(split, step)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from art_nb.secrets import Secret, find_secret
-from art_nb.store import ADAPTER_FILES, META_FILE, checkpoint_path, checkpoint_steps
+from art_nb.store import ADAPTER_FILES, META_FILE, checkpoint_path, checkpoint_steps, checkpoints_dir
 from art_nb.types import ExportResult, check_name
 
 from .gguf import convert_to_gguf, gguf_type
@@ -160,7 +160,7 @@ async def export_model(
     backend = backend if backend is not None else model.backend
     served = await backend.wait_for_checkpoint(model)  # a checkpoint still being written is not exported
     step = served if step is None else step
-    checkpoints = backend.model_dir(model) / "checkpoints"
+    checkpoints = checkpoints_dir(backend.model_dir(model))
     here = await asyncio.to_thread(checkpoint_steps, checkpoints)
     if step not in here:
         raise FileNotFoundError(f"no checkpoint {step} of {model.name!r} under {checkpoints} (there: "

@@ -16,17 +16,21 @@ an S3-compatible server.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-from art_nb.store import checkpoint_path
+from art_nb.store import (
+    RECORD_PARTS,
+    checkpoint_key,
+    checkpoint_path,
+    checkpoint_step_of,
+    checkpoints_dir,
+    model_subpath,
+    staging_path,
+)
 
 __all__ = ["model_url", "pull", "push"]
-
-_CHECKPOINT_FILE = re.compile(r"^checkpoints/(\d{4,})/")
-_EXCLUDES = {"checkpoints": ("checkpoints/",), "trajectories": ("trajectories/",), "logs": ("history.jsonl", "logs/")}
 
 
 def _filesystem() -> Any:
@@ -46,7 +50,7 @@ def model_url(project: str, name: str, bucket: str | None, prefix: str | None) -
     if not bucket:
         raise ValueError("no S3 bucket: pass s3_bucket='my-bucket' or set the BACKUP_BUCKET environment variable")
     prefix_part = f"{prefix.strip('/')}/" if prefix else ""
-    return f"{bucket}/{prefix_part}{project}/models/{name}"
+    return f"{bucket}/{prefix_part}{model_subpath(project, name)}"
 
 
 def _visible(relative: str) -> bool:
@@ -100,31 +104,31 @@ def pull(url: str, local_dir: Path, *, only_step: int | Literal["latest"] | None
     "checkpoints", "trajectories" or "logs" (history); `delete` removes local files the bucket does
     not have. Returns the relative paths downloaded.
     """
-    unknown = set(exclude or []) - set(_EXCLUDES)
+    unknown = set(exclude or []) - set(RECORD_PARTS)
     if unknown:
-        raise ValueError(f"exclude={sorted(unknown)}: choose from {sorted(_EXCLUDES)}")
+        raise ValueError(f"exclude={sorted(unknown)}: choose from {sorted(RECORD_PARTS)}")
     fs = _filesystem()
     remote = _remote_files(fs, url)
-    skipped = tuple(p for name in exclude or [] for p in _EXCLUDES[name])
+    skipped = tuple(p for name in exclude or [] for p in RECORD_PARTS[name])
     remote = {rel: size for rel, size in remote.items() if not rel.startswith(skipped)}
-    steps = sorted({int(m.group(1)) for rel in remote if (m := _CHECKPOINT_FILE.match(rel))})
+    in_checkpoint = {rel: checkpoint_step_of(rel) for rel in remote}
+    steps = sorted({step for step in in_checkpoint.values() if step is not None})
     if only_step is not None:
         wanted = (steps[-1:] if only_step == "latest" else [int(only_step)])
         if only_step != "latest" and int(only_step) not in steps:
             raise FileNotFoundError(f"s3://{url} has no checkpoint {only_step}; it has {steps or 'none'}")
-        remote = {rel: size for rel, size in remote.items()
-                  if not (m := _CHECKPOINT_FILE.match(rel)) or int(m.group(1)) in wanted}
+        remote = {rel: size for rel, size in remote.items() if in_checkpoint[rel] in (None, *wanted)}
         steps = wanted
     local_dir.mkdir(parents=True, exist_ok=True)
     local = _local_files(local_dir)
     fetched: list[str] = []
     for step in steps:  # a checkpoint: into a temporary sibling, then renamed into place whole
-        prefix = f"checkpoints/{step:04d}/"
+        prefix = f"{checkpoint_key(step)}/"
         files = {rel: size for rel, size in remote.items() if rel.startswith(prefix)}
         if all(rel in local and local[rel].stat().st_size == size for rel, size in files.items()):
             continue
-        target = checkpoint_path(local_dir / "checkpoints", step)
-        tmp = target.parent / f".tmp-pull-{step:04d}-{os.getpid()}"
+        target = checkpoint_path(checkpoints_dir(local_dir), step)
+        tmp = staging_path(target.parent, f"pull-{step:04d}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for rel in files:
@@ -137,11 +141,11 @@ def pull(url: str, local_dir: Path, *, only_step: int | Literal["latest"] | None
         if verbose:
             print(f"checkpoint s3://{url}/{prefix} -> {target}")
     for rel, size in remote.items():  # records: each file replaced whole
-        if _CHECKPOINT_FILE.match(rel) or (rel in local and local[rel].stat().st_size == size):
+        if in_checkpoint[rel] is not None or (rel in local and local[rel].stat().st_size == size):
             continue
         destination = local_dir / rel
         destination.parent.mkdir(parents=True, exist_ok=True)
-        partial = destination.with_name(f".tmp-pull-{destination.name}")
+        partial = staging_path(destination.parent, f"pull-{destination.name}")
         fs.get_file(f"{url}/{rel}", str(partial))
         os.replace(partial, destination)
         fetched.append(rel)
@@ -149,7 +153,7 @@ def pull(url: str, local_dir: Path, *, only_step: int | Literal["latest"] | None
             print(f"download s3://{url}/{rel} -> {destination}")
     if delete:
         for rel, path in local.items():
-            kept = rel.startswith(skipped) or (only_step is not None and _CHECKPOINT_FILE.match(rel))
+            kept = rel.startswith(skipped) or (only_step is not None and checkpoint_step_of(rel) is not None)
             if rel not in remote and not kept:
                 path.unlink()
     return fetched

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..store import HISTORY_FILE, checkpoint_path, checkpoint_steps, read_jsonl
+from ..store import HISTORY_FILE, checkpoint_path, checkpoint_steps, checkpoints_dir, read_jsonl
 from .state import RunState
 
 __all__ = ["TrainingSummary", "load_run_files", "summarize", "summary_from_model_dir"]
@@ -126,7 +126,7 @@ def load_run_files(state: RunState, model_dir: Path) -> None:
     The live dashboard starts from these too, so a resumed run shows its past at once.
     """
     state.load_history(read_jsonl(model_dir / HISTORY_FILE))
-    checkpoints = model_dir / "checkpoints"
+    checkpoints = checkpoints_dir(model_dir)
     steps = checkpoint_steps(checkpoints)
     if steps:
         state.latest_checkpoint = str(checkpoint_path(checkpoints, steps[-1]))

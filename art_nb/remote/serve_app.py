@@ -61,7 +61,7 @@ from art_nb.local.server.schema import validation_error
 from art_nb.model import TrainableModel
 from art_nb.secrets import Secret
 from art_nb.sft_config import TrainSFTConfig
-from art_nb.store import checkpoint_steps
+from art_nb.store import checkpoint_steps, checkpoints_dir
 from art_nb.types import ProgressCallback, TrainableModelRef, TrainResult
 from art_nb.web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 
@@ -294,7 +294,7 @@ class _Service:
         return JSONResponse({"summary": summary, "step": step})
 
     def _steps(self, model: TrainableModel) -> list[int]:
-        return checkpoint_steps(self.backend.model_dir(model) / "checkpoints")
+        return checkpoint_steps(checkpoints_dir(self.backend.model_dir(model)))
 
     async def checkpoints(self, request: Request) -> JSONResponse:
         model = self.model(request)

@@ -32,7 +32,15 @@ from art_nb.config import TrainConfig
 from art_nb.porting import train_config
 from art_nb.records import as_groups, best_step, record_groups
 from art_nb.secrets import Secret, find_secret
-from art_nb.store import ADAPTER_FILES, META_FILE, ModelStore, checkpoint_path, checkpoint_steps
+from art_nb.store import (
+    ADAPTER_FILES,
+    META_FILE,
+    SERVERLESS_JOB_FILE,
+    ModelStore,
+    checkpoint_path,
+    checkpoint_steps,
+    checkpoints_dir,
+)
 from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 from art_nb.wire import RetryPolicy
@@ -42,7 +50,6 @@ from .artifacts import ArtifactRef, ArtifactStore, WandbArtifacts
 
 __all__ = ["HandedOffModel", "ServerlessBackend"]
 
-_STATE_FILE = "serverless.json"  # the pending job, so a restarted kernel follows it instead of starting another
 _log = logging.getLogger("art_nb")
 
 
@@ -93,7 +100,7 @@ class ServerlessBackend:
     # ---- local state (what survives a kernel restart) ----------------------------------------
 
     def _state_path(self, model: ModelRef) -> Path:
-        return self.model_dir(model) / _STATE_FILE
+        return self.model_dir(model) / SERVERLESS_JOB_FILE  # a restarted kernel follows the job, starts none
 
     def _read_state(self, model: ModelRef) -> dict[str, Any]:
         path = self._state_path(model)
@@ -314,9 +321,9 @@ class ServerlessBackend:
         """
         if local_path is None and source is not None:
             await source.wait_for_checkpoint(model)  # a checkpoint still being written is not uploaded
-            checkpoints = source.model_dir(model) / "checkpoints"
+            checkpoints = checkpoints_dir(source.model_dir(model))
         else:
-            checkpoints = store.model_dir(local_path or ".art", model.project, model.name) / "checkpoints"
+            checkpoints = checkpoints_dir(store.model_dir(local_path or ".art", model.project, model.name))
         local_steps = await asyncio.to_thread(checkpoint_steps, checkpoints)
         if step is None:
             if not local_steps:
