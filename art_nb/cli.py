@@ -16,7 +16,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="train SmolLM2-135M on tic-tac-toe with GRPO (CPU is fine)")
     for field in dataclasses.fields(DemoConfig):
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(field.default), default=field.default, help=f"default: {field.default}")
+        if field.default is None:  # learning_rate: None picks it by the model's size
+            parser.add_argument(flag, type=float, default=None, help="default: by the base model's size")
+        else:
+            parser.add_argument(flag, type=type(field.default), default=field.default,
+                                help=f"default: {field.default}")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:

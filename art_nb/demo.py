@@ -4,7 +4,9 @@ Straight-line on purpose (it is the script a user reads first): evaluate the bas
 games, train with GRPO for `steps` steps, evaluate the trained LoRA on the same games, print the
 before/after table and save the reward curve. Re-running resumes from the last checkpoint.
 
-The automatic choices (base model, device, dtype, engine, trainer, threads) are printed once, from
+The learning rate follows the base model's size (`art_nb.local.plan.rates`, the rule the notebooks
+use too; the demo's 8 steps of 24 games are its short run) unless `learning_rate` is set. The
+automatic choices (base model, device, dtype, engine, trainer, threads) are printed once, from
 `backend.choices(model)`: while registering, the backend logs them and the base-model resolution,
 engine and trainer each log their own part as well, which in a script reads as every choice twice.
 """
@@ -14,13 +16,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import art_nb as art
 from art_nb.backend import Backend
 from art_nb.envs import tic_tac_toe as ttt
+from art_nb.local.plan.base_models import TINY_MODEL
+from art_nb.local.plan.rates import learning_rate_for
 from art_nb.store import HISTORY_FILE, read_jsonl
 
 __all__ = ["DemoConfig", "format_table", "register_and_show_choices", "run_demo"]
@@ -28,19 +32,25 @@ __all__ = ["DemoConfig", "format_table", "register_and_show_choices", "run_demo"
 
 @dataclass
 class DemoConfig:
-    base_model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    base_model: str = TINY_MODEL
     name: str = "tic-tac-toe-demo"
     project: str = "demo"
     path: str = ".art"
     steps: int = 8
     groups_per_step: int = 4
     rollouts_per_group: int = 6
-    learning_rate: float = 5e-4
+    learning_rate: float | None = None  # None: by the base model's size (learning_rate_for)
     eval_games: int = 32
     eval_seed: int = 10_000
     seed: int = 0
     lora_rank: int = 16
     out: str = "out/demo"
+
+    def rate(self) -> tuple[float, str]:
+        """(learning rate, why): the one set, else the rule's for the base model's size in this short run."""
+        if self.learning_rate is not None:
+            return self.learning_rate, f"{self.learning_rate:g}: set in DemoConfig.learning_rate"
+        return learning_rate_for(self.base_model, short_run=True)
 
 
 def format_table(before: dict[str, float], after: dict[str, float], labels: tuple[str, str]) -> str:
@@ -80,6 +90,9 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
         handler.setFormatter(logging.Formatter("  %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
+    rate, why = config.rate()
+    config = replace(config, learning_rate=rate)  # the summary records the rate that trained
+    print(f"learning rate: {why}")
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     model = art.TrainableModel(

@@ -60,11 +60,11 @@ PEAK_GOAL_GIB = 12.0  # issue 15
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from art_nb.notebook.hardware import Hardware, pick_defaults
+    from art_nb.local.plan.hardware import Hardware
+    from art_nb.notebook.hardware import pick_defaults
 
-    # The notebook's own GPU defaults (an sm80+ GPU with vLLM and Unsloth installed).
-    defaults = pick_defaults(Hardware(gpu_name="GPU", gpu_capability=(9, 0), gpu_memory_gib=80.0,
-                                      vllm_version="0.25.0", unsloth_installed=True), task="2048")
+    # The notebook's own GPU shapes (an sm80+ GPU with 80 GiB).
+    defaults = pick_defaults(Hardware(gpu_name="GPU", gpu_capability=(9, 0), gpu_memory_gib=80.0), task="2048")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for gpu_memory_fit.json (default $OUT)")
     parser.add_argument("--quick", action="store_true", help="CPU dry run: toy model, peft, no cap")

@@ -1,4 +1,4 @@
-"""Notebook views: the live dashboard, the static summary, hardware defaults, export links, Drive.
+"""Notebook views: the live dashboard, the static summary, the parameters' defaults, export links, Drive.
 
 Needs the `notebook` extra (ipywidgets, matplotlib). Everything loads on first use, so importing
 `art_nb.notebook` (or `art_nb`) imports neither ipywidgets nor matplotlib nor torch.
@@ -10,28 +10,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .colab import in_colab, keep_on_drive
     from .dashboard import Dashboard
     from .evaluation import Comparison, compare
     from .export_view import show_export
-    from .colab import keep_on_drive
-    from .hardware import (
-        Hardware,
-        NotebookDefaults,
-        detect_hardware,
-        in_colab,
-        pick_defaults,
-    )
+    from .hardware import NotebookDefaults, pick_defaults
     from .summary import TrainingSummary, summary_from_model_dir
     from .viewer import show_trajectory
 
 __all__ = [
     "Comparison",
     "Dashboard",
-    "Hardware",
     "NotebookDefaults",
     "TrainingSummary",
     "compare",
-    "detect_hardware",
     "in_colab",
     "keep_on_drive",
     "pick_defaults",
@@ -45,10 +37,8 @@ _WHERE = {
     "compare": "evaluation",
     "show_trajectory": "viewer",
     "Dashboard": "dashboard",
-    "Hardware": "hardware",
     "NotebookDefaults": "hardware",
-    "detect_hardware": "hardware",
-    "in_colab": "hardware",
+    "in_colab": "colab",
     "keep_on_drive": "colab",
     "pick_defaults": "hardware",
     "show_export": "export_view",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ..local.plan.hardware import Hardware, from_nvidia_smi
 from ..local.plan.versions import constraints_file, pins, stack_for
-from .hardware import Hardware, from_nvidia_smi
 
 __all__ = ["KEEP", "Plan", "install", "main", "plan_for", "requirements", "restart_reasons"]
 

@@ -1,11 +1,11 @@
 """The dashboard's parts without a kernel: run state from events and history, figure, viewer, widget
-wiring, summary, hardware defaults, and that `art_nb.notebook` stays light to import."""
+wiring, summary, and that `art_nb.notebook` stays light to import (the parameters' defaults and the
+plan behind them: test_notebook_plan.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from art_nb import events
-from art_nb.notebook.hardware import Hardware, learning_rate_for_size, parameter_count, pick_defaults
 from art_nb.notebook.state import RunState
 from art_nb.notebook.viewer import conversation_html, conversation_text, list_trajectory_files
 
@@ -392,103 +391,7 @@ def test_compare_puts_runs_side_by_side():
     assert "| reward | 0.500 | 1.000 |" in table._repr_markdown_()
 
 
-# ---- hardware defaults --------------------------------------------------------------------------
-
-NO_GPU = Hardware(cpu_count=2)
-T4 = Hardware(in_colab=True, cpu_count=2, gpu_name="Tesla T4", gpu_capability=(7, 5), gpu_memory_gib=15.0,
-              vllm_version="0.25.0", unsloth_installed=True)
-A100 = Hardware(in_colab=True, cpu_count=12, gpu_name="NVIDIA A100-SXM4-40GB", gpu_capability=(8, 0),
-                gpu_memory_gib=39.6, vllm_version="0.25.0", unsloth_installed=True)
-
-
-def test_no_gpu_picks_the_offline_tiny_model_and_few_steps():
-    d = pick_defaults(NO_GPU, "tic_tac_toe")
-    assert d.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert (d.engine, d.trainer, d.dtype) == ("hf", "peft", "float32")
-    assert d.steps <= 8 and d.max_turns is None
-    assert "offline" in d.reasons["base_model"]
-    config = d.model_config(max_seq_len=768)
-    assert (config.engine, config.trainer, config.max_seq_len) == ("hf", "peft", 768)
-
-
-def test_colab_t4_gets_fp16_and_the_transformers_engine():
-    d = pick_defaults(T4, "tic_tac_toe")
-    assert d.dtype == "float16" and re.search(r"no (native )?bf16", d.reasons["dtype"])
-    assert d.engine == "hf" and "sm75" in d.reasons["engine"]
-    assert d.trainer == "unsloth"
-    assert "0.5B" in d.base_model
-
-
-def test_a100_gets_bf16_vllm_and_a_larger_model():
-    d = pick_defaults(A100, "2048")
-    assert (d.dtype, d.engine, d.trainer) == ("bfloat16", "vllm", "unsloth")
-    assert d.base_model == "Qwen/Qwen2.5-3B-Instruct"
-    assert d.max_turns == 40
-
-
-def test_report_says_which_values_the_user_set():
-    d = pick_defaults(NO_GPU, "custom")
-    report = d.report(steps=2, base_model=d.base_model)
-    rows = {name: (value, why) for name, value, why in report.rows}
-    assert rows["steps"] == (2, "set in the parameters cell")
-    assert rows["base_model"][1] == d.reasons["base_model"]
-    assert "| `steps` | `2` | set in the parameters cell |" in report._repr_markdown_()
-    assert "no CUDA GPU" in str(report)
-
-
-H200 = Hardware(cpu_count=16, gpu_name="NVIDIA H200", gpu_capability=(9, 0), gpu_memory_gib=139.8,
-                vllm_version="0.25.0", unsloth_installed=True)
-TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def test_learning_rate_follows_the_model_size_and_keeps_the_tuned_defaults():
-    # The defaults each hardware row had before the rule, now produced by it.
-    assert pick_defaults(NO_GPU, "tic_tac_toe").learning_rate == 5e-4  # CPU demo tuned
-    assert pick_defaults(T4, "tic_tac_toe").learning_rate == 1e-4  # 0.5B
-    assert pick_defaults(A100, "2048").learning_rate == 5e-5  # 3B
-    h200 = pick_defaults(H200, "tic_tac_toe")
-    assert (h200.base_model, h200.learning_rate) == ("Qwen/Qwen2.5-7B-Instruct", 2e-5)
-    # The issue's H200 run: SmolLM2 swapped in kept 7B's 2e-5 and did not learn; the rule gives 2e-4.
-    assert h200.learning_rate_for(TINY, h200.learning_rate) == 2e-4
-    assert h200.learning_rate_for(TINY, 3e-4) == 3e-4  # a rate the user set is theirs
-    assert pick_defaults(NO_GPU).learning_rate_for("Qwen/Qwen2.5-1.5B-Instruct", 5e-4) == 1e-4
-
-
-@pytest.mark.parametrize("name,count", [(TINY, 135_000_000), ("Qwen/Qwen2.5-0.5B-Instruct", 500_000_000),
-                                        ("meta-llama/Llama-3.2-1B-Instruct", 1_000_000_000),
-                                        ("google/gemma-3-270m-it", 270_000_000), ("microsoft/phi-4", None)])
-def test_parameter_count_from_the_name(name, count):
-    assert parameter_count(name) == count
-
-
-def test_parameter_count_of_a_local_directory_reads_its_weights(tmp_path):
-    torch = pytest.importorskip("torch")
-    from safetensors.torch import save_file
-
-    save_file({"a": torch.zeros(10, 20), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
-    assert parameter_count(str(tmp_path)) == 205
-    assert learning_rate_for_size(205, True, 1.0)[0] == 2e-4
-
-
-def test_an_unknown_size_keeps_the_default_and_says_so():
-    rate, why = learning_rate_for_size(None, True, 2e-5)
-    assert rate == 2e-5 and "set LEARNING_RATE" in why
-
-
-def test_report_gives_the_swapped_model_its_rate_and_reason():
-    d = pick_defaults(H200, "tic_tac_toe")
-    rate = d.learning_rate_for(TINY, d.learning_rate)
-    rows = {name: (value, why) for name, value, why in d.report(base_model=TINY, learning_rate=rate).rows}
-    assert rows["base_model"] == (TINY, "set in the parameters cell")
-    assert rows["learning_rate"][0] == 2e-4 and "135M" in rows["learning_rate"][1] and "H200" in rows["learning_rate"][1]
-    rows = {name: (value, why) for name, value, why in d.report(base_model=TINY, learning_rate=2e-5).rows}
-    assert rows["learning_rate"] == (2e-5, "set in the parameters cell")
-    assert rows["packages"][0] == "ampere set"
-
-
-def test_unknown_task_is_rejected():
-    with pytest.raises(ValueError, match="tic_tac_toe"):
-        pick_defaults(NO_GPU, "chess")
+# ---- importing ------------------------------------------------------------------------------------
 
 
 def test_importing_art_nb_notebook_is_light():

@@ -1,9 +1,9 @@
 """The peft trainer takes device, dtype and 4-bit from the plan, and reports its progress.
 
 On a tiny random Llama saved like a hub model (tests/faults/tiny.py), so building a trainer costs
-the imports, not the weights. The dtype rule is checked across its owners on a simulated T4: the
-plan, the notebook defaults and the trainer must all say float16 there, and none of them may ask
-`torch.cuda.is_bf16_supported()` (True on a T4, through emulation).
+the imports, not the weights. The dtype rule is checked on a simulated T4: the plan, the notebook's
+choices table (the plan's own row) and the trainer must all say float16 there, and none of them may
+ask `torch.cuda.is_bf16_supported()` (True on a T4, through emulation).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from conftest import make_choice
 from faults.tiny import build_tiny_model, tiny_model_config
 
 from art_nb.config import TrainConfig
-from art_nb.local.plan import choices as plan_module
 from art_nb.local.plan.choices import Plan, compute_dtype, plan_for
+from art_nb.local.plan.hardware import Hardware
+from art_nb.local.plan.versions import pins
 from art_nb.local.trainers.peft_trainer import PeftTrainer
-from art_nb.notebook.hardware import Hardware, pick_defaults
+from art_nb.notebook.hardware import pick_defaults
 from art_nb.store import TRAINER_STATE
 from art_nb.trajectories import Trajectory, TrajectoryGroup
 
-T4 = Hardware(in_colab=True, cpu_count=2, gpu_name="Tesla T4", gpu_capability=(7, 5), gpu_memory_gib=15.0,
-              vllm_version="0.25.0", unsloth_installed=True)
+T4 = Hardware(cpu_count=2, gpu_name="Tesla T4", gpu_capability=(7, 5), gpu_memory_gib=15.0, packages=pins("turing"))
 
 
 @pytest.fixture(autouse=True)
@@ -63,16 +63,15 @@ def test_a_simulated_t4_gets_float16_from_every_owner(monkeypatch, tiny_dir):
         raise AssertionError("torch.cuda.is_bf16_supported() answers True on a T4 (emulated bf16): not to be asked")
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", asked)
-    monkeypatch.setattr(plan_module, "cuda_capability", lambda: (7, 5))
     dtype, why = compute_dtype("auto", "cuda", (7, 5))
     assert dtype == "float16" and "sm75" in why
 
-    plan = plan_for(tiny_model_config(engine="auto", trainer="auto"))
+    plan = plan_for(tiny_model_config(engine="auto", trainer="auto"), T4)
     assert (plan.device, plan.dtype, plan.reasons["dtype"]) == ("cuda", "float16", why)
 
     defaults = pick_defaults(T4, "tic_tac_toe")
-    assert (defaults.dtype, defaults.reasons["dtype"]) == ("float16", why)
-    assert defaults.model_config().dtype == "float16"
+    assert defaults.model_config().dtype == "auto"  # the plan's to pick, and the choices table shows its pick
+    assert ("dtype", "float16", why) in defaults.report().rows
 
     # The trainer loads in the plan's dtype (the plan's device is CPU here: this machine has no GPU).
     trainer = PeftTrainer(tiny_dir, tiny_model_config(), replace(plan, device="cpu"))
@@ -83,8 +82,7 @@ def test_a_simulated_t4_gets_float16_from_every_owner(monkeypatch, tiny_dir):
 def test_ampere_and_newer_get_bfloat16_in_the_notebook_too():
     dtype, why = compute_dtype("auto", "cuda", (8, 0))
     a100 = replace(T4, gpu_name="NVIDIA A100", gpu_capability=(8, 0), gpu_memory_gib=39.6)
-    defaults = pick_defaults(a100, "tic_tac_toe")
-    assert (defaults.dtype, defaults.reasons["dtype"]) == (dtype, why) == ("bfloat16", why)
+    assert dtype == "bfloat16" and ("dtype", dtype, why) in pick_defaults(a100, "tic_tac_toe").report().rows
 
 
 def test_without_a_plan_the_trainer_plans_for_this_machine_and_says_why(tiny_dir, caplog):

@@ -1,18 +1,21 @@
 """Every automatic choice for a model, decided once, each with the reason a user is shown.
 
-Device, compute dtype, engine, trainer, 4-bit loading and CPU threads are read from the hardware
-here and nowhere else: engines and trainers receive the `Plan` and do not decide again, so a T4
-cannot get bf16 from one owner and float16 from another. The dtype comes from the compute
-capability, not `torch.cuda.is_bf16_supported()`, which answers True on a T4 (sm75) because torch
-emulates bf16 there, slowly.
+Device, compute dtype, engine, trainer, 4-bit loading and CPU threads are decided here and nowhere
+else: engines and trainers receive the `Plan` and do not decide again, so a T4 cannot get bf16 from
+one owner and float16 from another. The dtype comes from the compute capability, not
+`torch.cuda.is_bf16_supported()`, which answers True on a T4 (sm75) because torch emulates bf16
+there, slowly.
 
-`compute_dtype` is pure (no torch) so the notebook defaults use the same rule before torch loads.
+`plan_for(config, hardware)` reads the machine only through `hardware` (detected when None, in
+hardware.py), so a notebook shows the choices register will make, with the same reasons, before
+anything loads; the notebooks leave engine, trainer and dtype on "auto" so that these are the
+choices that run (and on a T4 the transformers engine can take over when vLLM cannot start:
+`engine_fallback`, for choices that were the plan's only).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import sys
 from dataclasses import dataclass, field, replace
@@ -20,8 +23,10 @@ from typing import Any
 
 from art_nb.config import ModelConfig
 
-__all__ = ["Plan", "compute_dtype", "cuda_capability", "engine_fallback", "import_unsloth", "plan_for",
-           "unsloth_unavailable_reason"]
+from . import hardware as detection  # detection.detect_hardware(), looked up per call: one place to simulate a GPU
+from .hardware import Hardware
+
+__all__ = ["Plan", "compute_dtype", "engine_fallback", "import_unsloth", "plan_for", "unsloth_unavailable_reason"]
 
 
 @dataclass(frozen=True)
@@ -55,28 +60,18 @@ def compute_dtype(requested: str, device: str, capability: tuple[int, int] | Non
     return "float16", f"float16: {sm} has no native bf16 (torch would emulate it, slowly)"
 
 
-def cuda_capability() -> tuple[int, int] | None:
-    """The CUDA device's compute capability, or None without torch or a CUDA GPU (imports torch if present)."""
-    if importlib.util.find_spec("torch") is None:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return int(major), int(minor)
-
-
-def plan_for(config: ModelConfig) -> Plan:
-    """Decide everything `config` leaves on "auto" for this machine. Raises for what cannot run here."""
-    capability = cuda_capability()
+def plan_for(config: ModelConfig, hardware: Hardware | None = None) -> Plan:
+    """Decide everything `config` leaves on "auto" for `hardware` (None: this machine, detected).
+    Raises for what cannot run there."""
+    hw = detection.detect_hardware() if hardware is None else hardware
+    capability = hw.gpu_capability
     device = "cuda" if capability is not None else "cpu"
     reasons: dict[str, str] = {}
     dtype, reasons["dtype"] = compute_dtype(config.dtype, device, capability)
-    engine, reasons["engine"] = _engine(config, capability)
-    trainer, reasons["trainer"] = _trainer(config, device)
+    engine, reasons["engine"] = _engine(config, hw)
+    trainer, reasons["trainer"] = _trainer(config, hw)
     if config.load_in_4bit:
-        reasons["load_in_4bit"] = _four_bit_reason(device, trainer)
+        reasons["load_in_4bit"] = _four_bit_reason(hw, trainer)
     threads = None
     if device == "cpu":
         from .threads import choose_cpu_threads
@@ -85,15 +80,15 @@ def plan_for(config: ModelConfig) -> Plan:
     return Plan(device, dtype, engine, trainer, config.load_in_4bit, threads, capability, reasons)
 
 
-def _engine(config: ModelConfig, capability: tuple[int, int] | None) -> tuple[str, str]:
+def _engine(config: ModelConfig, hw: Hardware) -> tuple[str, str]:
     """vLLM where the GPU and the installed release support it, else transformers (T4: see versions.py)."""
     if config.engine != "auto":
         return config.engine, f"{config.engine}: set in ModelConfig.engine"
-    if capability is None:
+    if hw.gpu_capability is None:
         return "hf", "transformers: no CUDA GPU, vLLM needs one"
-    from .versions import gpu_path_for, installed_version
+    from .versions import gpu_path_for
 
-    return gpu_path_for(capability, installed_version("vllm"))
+    return gpu_path_for(hw.gpu_capability, hw.version("vllm"))
 
 
 def engine_fallback(plan: Plan, config: ModelConfig, error: BaseException) -> Plan | None:
@@ -116,27 +111,27 @@ def engine_fallback(plan: Plan, config: ModelConfig, error: BaseException) -> Pl
     return replace(plan, engine="hf", reasons={**plan.reasons, "engine": why})
 
 
-def _trainer(config: ModelConfig, device: str) -> tuple[str, str]:
+def _trainer(config: ModelConfig, hw: Hardware) -> tuple[str, str]:
     if config.trainer != "auto":
         return config.trainer, f"{config.trainer}: set in ModelConfig.trainer"
-    if device != "cuda":
+    if not hw.has_gpu:
         return "peft", "peft: no CUDA GPU, Unsloth needs one"
-    reason = unsloth_unavailable_reason()
+    reason = unsloth_unavailable_reason(hw)
     if reason is not None:
         return "peft", f"peft: {reason}"
     return "unsloth", "Unsloth: CUDA GPU and a tested Unsloth release"
 
 
-def _four_bit_reason(device: str, trainer: str) -> str:
+def _four_bit_reason(hw: Hardware, trainer: str) -> str:
     """Why the base can be loaded in 4-bit here; raises where it cannot (better than a silent full-precision load)."""
-    if device != "cuda":
+    if not hw.has_gpu:
         raise ValueError(
             "ModelConfig(load_in_4bit=True) needs a CUDA GPU: 4-bit (NF4) weights come from bitsandbytes, which "
             "quantises on CUDA only. On this CPU set load_in_4bit=False (a small model fits in float32)."
         )
     if trainer == "unsloth":
         return "4-bit: the trainer's base weights are NF4 (Unsloth's loader)"
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if hw.version("bitsandbytes") is None:
         raise ValueError(
             "ModelConfig(load_in_4bit=True) needs bitsandbytes for the peft trainer: pip install bitsandbytes "
             "(or install Unsloth: pip install 'art-nb[gpu]'), or set load_in_4bit=False"
@@ -148,18 +143,17 @@ def _four_bit_reason(device: str, trainer: str) -> str:
 _log = logging.getLogger("art_nb")
 
 
-def unsloth_unavailable_reason() -> str | None:
-    """Why the Unsloth trainer cannot run here (shown to the user), or None when it can."""
-    from .versions import VersionError, check_versions
+def unsloth_unavailable_reason(hardware: Hardware | None = None) -> str | None:
+    """Why the Unsloth trainer cannot run on `hardware` (None: this machine), shown to the user; None when it can."""
+    from .versions import COMPONENTS, VersionError, check_package
 
-    if importlib.util.find_spec("unsloth") is None:
+    hw = detection.detect_hardware() if hardware is None else hardware
+    if hw.version("unsloth") is None:
         return "Unsloth is not installed (pip install 'art-nb[gpu]')"
-    import torch
-
-    if not torch.cuda.is_available():
+    if not hw.has_gpu:
         return "Unsloth needs a CUDA GPU"
     try:
-        warnings = check_versions("unsloth")
+        warnings = [w for package in COMPONENTS["unsloth"] if (w := check_package(package, hw.version(package)))]
     except VersionError as exc:
         return str(exc)
     for warning in warnings:

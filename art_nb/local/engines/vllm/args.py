@@ -119,9 +119,11 @@ def capped_memory(free: int, total: int, fraction: float, reserved: int) -> tupl
 
 def _default_dtype(config: ModelConfig, on_cuda: bool) -> tuple[str, str]:
     """The `Plan`'s dtype rule, for callers (benchmarks) that build no `Plan`."""
-    from art_nb.local.plan.choices import compute_dtype, cuda_capability
+    from art_nb.local.plan.choices import compute_dtype
+    from art_nb.local.plan.hardware import detect_hardware
 
-    return compute_dtype(config.dtype, "cuda" if on_cuda else "cpu", cuda_capability() if on_cuda else None)
+    capability = detect_hardware().gpu_capability if on_cuda else None
+    return compute_dtype(config.dtype, "cuda" if on_cuda else "cpu", capability)
 
 
 def bitsandbytes_missing() -> str | None:
