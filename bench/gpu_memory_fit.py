@@ -14,7 +14,7 @@ reads the fraction back and plans vLLM's share within the cap (`local/engines/vl
 user's capped process gets it. What is reported: device-wide used memory (total - free, what
 nvidia-smi shows), polled every 50 ms through registration, rollouts and one full train step (sleep,
 train, save, wake, LoRA load), and `torch.cuda.max_memory_reserved`; the headroom under the cap after
-register. It fits when the polled peak stays under the cap; issue 15's goal is a peak under 12 GiB.
+register. It fits when the polled peak stays under the cap; the goal is a peak under 12 GiB.
 
 Rollouts are synthetic 2048 games through the OpenAI endpoint: the notebook's prompts and boards,
 turns of fixed length (`ignore_eos`), continued until the conversation nears max_seq_len, so the
@@ -56,7 +56,7 @@ from _common import (
 )
 
 LORA_RANK, LORA_ALPHA = 16, 32.0
-PEAK_GOAL_GIB = 12.0  # issue 15
+PEAK_GOAL_GIB = 12.0  # the goal: room to spare on a T4's 15 GiB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

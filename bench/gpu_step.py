@@ -70,7 +70,7 @@ from _common import (
 
 PARTS = ("art", "trl")
 LORA_RANK, LORA_ALPHA, LEARNING_RATE = 16, 32.0, 5e-5
-STEP_GOAL, OVERHEAD_GOAL, SWAP_GOAL_S = 1.3, 0.05, 0.05  # issue 15: TRL / art_nb >= 1.3, < 5%, swap <= 50 ms
+STEP_GOAL, OVERHEAD_GOAL, SWAP_GOAL_S = 1.3, 0.05, 0.05  # goals: TRL / art_nb >= 1.3, < 5%, swap <= 50 ms
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -26,7 +26,7 @@ quantised to NF4 at load by both (no hub on the GPU machine).
 
 The cap, per process, before anything touches the GPU: `torch.cuda.set_per_process_memory_fraction`
 to 15 GiB less the process's CUDA context (PyTorch's allocator; `_common.cap_like_a_gpu`: a real 15 GiB GPU
-has the context in it too; before 2026-12-02's d01317e Unsloth's side got the whole 15 GiB). vLLM's pool lives outside that allocator, so Unsloth is shown
+has the context in it too). vLLM's pool lives outside that allocator, so Unsloth is shown
 a 15 GiB device (`unsloth_zoo.vllm_utils.get_mem_info` returns the cap: every memory choice Unsloth
 makes is the one it makes on a T4) and the share it then hands vLLM is rescaled from the cap to the
 device (`vllm.LLM` is wrapped for that one keyword). Peak memory: device-wide used memory (total - free

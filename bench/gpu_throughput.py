@@ -81,7 +81,7 @@ from _common import (
 
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
 ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct")  # the first is the headline
-HEADLINE_GOAL = 0.95  # endpoint / plain, issue 15
+HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
 PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "art_hf": 240}

@@ -11,7 +11,7 @@ import pytest
 # module's fixtures such as the notebooks' shared run or the vLLM check stay in one process). Files are
 # handed out in collection order; giving out the longest first keeps one worker from starting a
 # 2-minute file while the other has nothing left. Seconds per file on a 2-core CPU, the slowest
-# first (fresh-clone CI logs, 2026-12-01): notebooks ~170 (two kernels), install cell ~130, compat
+# first (fresh-clone CI logs): notebooks ~170 (two kernels), install cell ~130, compat
 # ~120 (a test at a time, below), browser ~115, vLLM CPU ~60 + ~35; then the integration and fault
 # files; the unit files, each a few seconds, fill the end. New files go after the listed ones, in their directory's place.
 _LONGEST_FIRST = (

@@ -369,7 +369,7 @@ def finish_checkpoints() -> None:
 
 
 def _gpu_headroom(vllm: bool) -> str:
-    """The device's memory after register, within this process's cap when one is set (issue 15: report the headroom)."""
+    """The device's memory after register, within this process's cap when one is set: the headroom register reports."""
     import torch
 
     from .engines.vllm.args import memory_snapshot

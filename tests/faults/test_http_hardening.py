@@ -1,6 +1,6 @@
 """Adversarial HTTP against both servers (the in-kernel OpenAI app and `art-nb serve`), over real
-loopback sockets: DNS rebinding and cross-site requests (issue 13, item 2), idle and slow
-connections (item 5), and bodies too large, too deep or too slow to parse on the event loop (item 6).
+loopback sockets: DNS rebinding and cross-site requests, idle and slow
+connections, and bodies too large, too deep or too slow to parse on the event loop.
 
 Socket counts stay bounded (at most ~300, all closed at the end) and every server binds loopback.
 """

@@ -1,6 +1,6 @@
 """Registering at once, twice, from two writers, and across projects: what the registry must hold.
 
-Found by probing `art-nb serve` (issue 13): four registers at once corrupted model loading for the
+Found by probing `art-nb serve`: four registers at once corrupted model loading for the
 whole process ("Cannot copy out of meta tensor": shown on the real weights in
 tests/integration/test_concurrent_register.py; the tiny model here loads too fast to race), a second writer on the same path trained from a
 stale step and replaced checkpoints, and two projects' models of one name trained into one

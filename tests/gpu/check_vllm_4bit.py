@@ -10,7 +10,7 @@ and exits non-zero when a check fails. On the real SmolLM2 (tests/gpu/conftest.p
   max(1e-3, twice the spread seen among the repeats), and the gap to the closest repeat is reported;
 - the adapter handed over in memory serves the same greedy tokens as from its directory;
 - sleep (level 1: weights to the CPU) and wake change nothing: same tokens, logprobs as above,
-  with the adapter and without (vLLM issue 53888 saw a quantised model's LoRA stop applying after wake);
+  with the adapter and without (vLLM's bug report #53888 saw a quantised model's LoRA stop applying after wake);
 - the claim behind following the trainer: vLLM's NF4 logprobs of its own greedy tokens are closer to
   those of the trainer's 4-bit model (transformers + bitsandbytes NF4 as art_nb's peft trainer loads it,
   same adapter) than to the unquantised model's.

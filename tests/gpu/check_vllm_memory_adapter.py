@@ -5,7 +5,7 @@
 Not a pytest file (one vLLM start, < 90 s on an H200 with eager start-up). Writes
 OUT/vllm_memory_adapter.json and exits non-zero when a check fails. Checks, on the real SmolLM2 (the
 folder tests/gpu/conftest.py converts from the staged GGUF, or MODEL_DIR):
-- item 2 of issue 15: an r16 adapter on every linear module, loaded with `weights=` from a path that
+- an r16 adapter on every linear module, loaded with `weights=` from a path that
   never exists, gives the same greedy tokens and logprobs as the same adapter from its directory;
   after vLLM's CPU cache evicted it, a request loads it again from memory; the same adapter as float32
   tensors on the GPU (how the trainer hands it over) serves the same; hand-over times (memory, from the

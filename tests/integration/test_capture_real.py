@@ -1,4 +1,4 @@
-"""Capture on the real tiny model (issue 14's evidence): rollouts written with a plain
+"""Capture on the real tiny model: rollouts written with a plain
 `openai.AsyncOpenAI(base_url=...)` and with raw `httpx`, inside `art.trajectory(...)`, train through
 LocalBackend with zero re-tokenised tokens, on the very ids the server sampled."""
 

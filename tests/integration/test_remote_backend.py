@@ -166,7 +166,7 @@ async def test_a_client_of_another_version_fails_clearly(server, monkeypatch):
 
 
 async def test_bad_input_is_a_400_without_server_paths_on_the_real_server(server, tmp_path):
-    """Issue 13's probes against the real `art-nb serve` and LocalBackend: each of these was a 500
+    """Probes against the real `art-nb serve` and LocalBackend: each of these was a 500
     naming absolute paths (or, for step=-5, wrote trajectories/val/-005.jsonl)."""
     import httpx
 

@@ -1,4 +1,4 @@
-"""Issue 17 on the real tiny model: rollouts that keep the assistant turn as a dict instead of the
+"""On the real tiny model: rollouts that keep the assistant turn as a dict instead of the
 returned Choice. All of them: the step is refused, nothing recorded or saved. Some: the rest train and
 the history says how many could not."""
 

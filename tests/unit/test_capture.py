@@ -1,4 +1,4 @@
-"""Capture (issue 14): rollouts written with any HTTP client, recorded inside `art.trajectory(...)`
+"""Capture: rollouts written with any HTTP client, recorded inside `art.trajectory(...)`
 scopes with the server's own token ids, and trained on exactly those ids.
 
 A real art_nb server on loopback (`create_app` + `start_server`) over a scripted engine with the

@@ -419,7 +419,7 @@ async def test_no_token_on_loopback_means_no_auth(tmp_path):
         await server.stop()
 
 
-# --- issue 13: tokens (item 7), secrets in errors (item 8), bad input (item 9) ---------------------
+# --- tokens, secrets in errors, bad input -----------------------------------------------------------
 
 
 def test_the_token_comes_from_a_file_or_the_environment_and_is_long_off_loopback(tmp_path, monkeypatch):
@@ -601,7 +601,7 @@ async def test_the_openai_app_answers_a_bad_step_suffix_with_400(served):
 
 async def test_concurrent_trains_of_one_model_take_turns_and_accept_different_steps(served, raw_served,
                                                                                       chatml_tokenizer):
-    """Two trains posted at once both answered "accepted": step 0 (the probe of issue 13); now the second
+    """Two trains posted at once both answered "accepted": step 0 (found by probing); now the second
     waits for the first and starts from step 1."""
     backend, _, _ = served
     backend.hold = asyncio.Event()

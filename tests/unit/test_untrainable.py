@@ -1,4 +1,4 @@
-"""Issue 17: a trajectory whose assistant turns are message dicts (not the Choice the endpoint returned)
+"""A trajectory whose assistant turns are message dicts (not the Choice the endpoint returned)
 has 0 trainable tokens. A step where nothing could train for that reason is refused; a step where only
 some trajectories lack a Choice trains the rest and says so in the history, text report, dashboard and
 summary."""

@@ -43,7 +43,7 @@ _VLLM_BASE_OVERHEAD = GiB
 _VLLM_CUDA_GRAPHS = GiB // 2
 # What vLLM's process grows by *beyond* its share while serving long rollouts: gpu_memory_utilization
 # sizes the KV cache at start-up, but blocks the caching allocator takes later are not in it. Measured
-# at 3B under a 15 GiB cap (bench/results/h200/gpu_memory_fit*.json), register to the end of 64 rollouts
+# at 3B under a 15 GiB cap (bench/gpu_memory_fit.py), register to the end of 64 rollouts
 # of ~3900 tokens: +1.96 GiB with NF4 weights (bitsandbytes dequantises into temporary buffers), +0.64
 # GiB with bf16 weights and CUDA graphs, +2.0-2.4 GiB in earlier eager runs. Planned beside the share.
 _VLLM_SERVING_GROWTH = int(2.4 * GiB)

@@ -8,11 +8,10 @@ not decide them, so it trains in the dtype the engine serves in.
 4-bit (`plan.load_in_4bit`, CUDA only): the linear layers load as bitsandbytes NF4 (double-quantised,
 computing in the plan's dtype); what stays unquantised (embeddings, norms, lm head) stays in the
 plan's dtype. Not peft's `prepare_model_for_kbit_training`: without gradient checkpointing its one
-effect is to upcast those to float32, which puts the whole residual stream in float32. On an H200,
-one 8,100-token step of a 3B Llama-shaped model peaked at 55.7 GiB in bf16, 65.1 GiB in NF4 so
-prepared, 51.8 GiB in NF4 as here (1.24, 1.80, 1.28 s). The LoRA weights are float32 either way
-(peft upcasts adapters over a half-precision base), so a 4-bit checkpoint is the same adapter files
-an engine loads over its full-precision base.
+effect is to upcast those to float32, which puts the whole residual stream in float32: so prepared, a
+long 3B step took more GPU memory in NF4 than in bf16; loaded as here, less. The LoRA weights are
+float32 either way (peft upcasts adapters over a half-precision base), so a 4-bit checkpoint is the
+same adapter files an engine loads over its full-precision base.
 
 Stopping a step (`should_stop`, set when the user interrupts the cell): `grpo_step` asks it before
 each microbatch and once more right before the optimizer steps. Until the optimizer steps,

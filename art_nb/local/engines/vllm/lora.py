@@ -111,7 +111,7 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
                    manager._lora_model_cls)
     # Built on the host, as vLLM's own loader does (pinned copies, moved to its GPU slots when activated).
     # Built on the GPU instead, an adapter served greedy logprobs 0.011 away from its files in 2 of 3
-    # H200 checks, never when built on the host (tests/gpu/results/vllm_memory_adapter_2026-12-02*.json).
+    # H200 checks, never when built on the host (tests/gpu/check_vllm_memory_adapter.py).
     # Copies, because vLLM scales lora_b in place (LoRALayerWeights.optimize) and these tensors are also
     # the checkpoint being written: converted to vLLM's LoRA dtype where they are (a step's adapter is
     # still on the trainer's GPU), then to the host in one transfer, into page-locked memory: vLLM pins
