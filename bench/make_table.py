@@ -1,20 +1,27 @@
-"""bench/RESULTS.md and assets/benchmarks.png, generated from the raw results in bench/results/*.json.
+"""bench/RESULTS.md, assets/benchmarks.png and the README's results table, generated from bench/results/.
 
-Every number in the table is computed from the JSON files (medians of the raw repeats stored there);
-a benchmark whose file is missing, or whose section failed, says so instead of showing a number.
+Every number is computed from the results files (medians of the raw repeats stored there); a benchmark
+whose file is missing, or whose section failed, says so instead of showing a number. Each run also gets
+a row in bench/results/history.jsonl the first time this script sees its file (bench/run_history.py), so
+the numbers of a run whose file was replaced stay in RESULTS.md's table of every run.
 
-    .venv/bin/python bench/make_table.py [--results bench/results] [--out bench/RESULTS.md] [--plot assets/benchmarks.png]
+    .venv/bin/python bench/make_table.py [--commit SHA]   # --commit: the code the new files ran (a GPU run)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_history  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+README_START, README_END = "<!-- results:start (bench/make_table.py) -->", "<!-- results:end -->"
 
 
 def load(results: Path, name: str) -> dict[str, Any] | None:
@@ -112,80 +119,22 @@ def endpoint_overhead(data: dict[str, Any] | None) -> list[str]:
     return lines + ["", "Goal: under 10%.", ""]
 
 
-LATER_THROUGHPUT = "gpu_throughput_fast_switch_interval"  # h200/: the run after the GIL switch-interval change
+THROUGHPUT_GOAL = 0.95  # the endpoint >= 0.95x plain vLLM at 8, 64 and 256, graphs on and off
 
 
 def gpu_throughput(data: dict[str, Any] | None) -> list[str]:
+    """One table per vLLM start-up mode; the endpoint without logprobs (what a rollout calls) is the headline."""
     lines = ["## Rollout throughput on GPU: art_nb's endpoint vs plain vLLM", ""]
     if not data:
         return lines + ["Not run yet (`bench/gpu_throughput.py`, on the H200).", ""]
-    if "startup" in data.get("settings", {}):  # issue-15 format (one table per vLLM start-up mode)
-        lines += gpu_throughput_by_startup(data)
-        later = load(RESULTS, LATER_THROUGHPUT)
-        if later:
-            lines += [f"### A later run: the engine's thread gets the GIL back sooner (`h200/{LATER_THROUGHPUT}.json`)", "",
-                      ("The same script with `--startup fast` after the vLLM thread lowered Python's GIL switch interval "
-                       "to 0.5 ms (art_nb/local/engines/vllm/thread.py): with CUDA graphs a decode step is ~3 ms, and CPython's "
-                       "5 ms default let the endpoint's and the client's threads hold the GIL that long after each GPU "
-                       "wait. Plain vLLM was measured again in this run (this host's speed moves ~10% between runs)."), ""]
-            lines += [line.replace("### vLLM start-up", "#### vLLM start-up") for line in gpu_throughput_by_startup(later)]
-        return lines
-    sections = data.get("sections", {})
-    lines += [context(data), "", (f"Model: {data.get('weights')}. {data['settings']['completion_tokens']} tokens per "
-              f"request (fixed), vLLM {data['settings']['vllm']}. Median tokens/s of "
-              f"{data['settings']['repeats']} repeats."), "",
-              ("| batch | plain `LLM.generate` | art_nb engine, driven like `LLM.generate` | art_nb engine, direct "
-               "(asyncio driver) | art_nb endpoint | endpoint / plain | transformers engine (endpoint) |"),
-              "|---|---|---|---|---|---|---|"]
-    ratios = sections.get("comparison", {}).get("ratios", {})
-    hf = sections.get("comparison", {}).get("hf_endpoint_tokens_per_s", {})
-
-    def cell(r: dict[str, Any], mode: str, key: str) -> str:
-        ms = r.get("ms_per_step", {}).get(mode)
-        rate = r.get(key)
-        if rate is None:
-            return "-"
-        return f"{rate:.0f}" + (f" ({ms:.1f} ms/step)" if ms is not None else "")
-
-    for batch, r in ratios.items():
-        hf_cell = f"{hf[batch]:.0f}" if batch in hf else ""
-        lines.append(f"| {batch} | {cell(r, 'plain', 'plain_tokens_per_s')} | "
-                     f"{cell(r, 'engine_sync', 'engine_sync_tokens_per_s')} | "
-                     f"{cell(r, 'engine_direct', 'engine_direct_tokens_per_s')} | "
-                     f"{cell(r, 'endpoint', 'endpoint_tokens_per_s')} | {r['endpoint_over_plain']:.2f} | {hf_cell} |")
-    lines += failures(sections)
-    previous = load(RESULTS, "gpu_throughput_run2")
-    if previous:
-        old = previous.get("sections", {}).get("comparison", {}).get("ratios", {})
-        lines += ["", ("The previous run with the same engine code (`h200/gpu_throughput_run2.json`, earlier the same "
-                  "day) measured endpoint / plain " + ", ".join(f"{r['endpoint_over_plain']:.2f} at {b}" for b, r in old.items())
-                  + ": on this shared host a run's ratios move by ~0.1 from run to run. Where the time goes "
-                  "(per-step timing of `step()` in every mode, `h200/gpu_throughput.json`): the asyncio driver adds "
-                  "0.4 ms a step between steps; the endpoint's cost is per request (rendering, JSON with 128 logprobs "
-                  "each, the OpenAI client parsing it, all in this process) and shows before the first and after the "
-                  "last step.")]
-    before = load(RESULTS, "gpu_throughput_before_scheduler_fix")
-    if before:
-        old = before.get("sections", {}).get("comparison", {}).get("ratios", {})
-        lines += ["", ("Before the engine used `vllm.LLM`'s scheduler defaults (same script, same H200, earlier the same "
-                  "day; `h200/gpu_throughput_before_scheduler_fix.json`): endpoint / plain "
-                  + ", ".join(f"{r['endpoint_over_plain']:.2f} at {b}" for b, r in old.items())
-                  + "; the engine then ran at most 128 sequences and 2048 tokens a step.")]
-    return lines + ["", "Goal: endpoint / plain >= 0.9.", ""]
-
-
-THROUGHPUT_GOAL = 0.95  # issue 15: the endpoint >= 0.95x plain vLLM at 8, 64 and 256, graphs on and off
-
-
-def gpu_throughput_by_startup(data: dict[str, Any]) -> list[str]:
-    """The issue-15 format: one table per vLLM start-up mode; the endpoint without logprobs is the headline."""
     sections, st = data.get("sections", {}), data["settings"]
     comparison = sections.get("comparison", {"startup": {}})
-    lines = [context(data), "", (f"Model: {data.get('weights')}. {st['completion_tokens']} tokens per request (fixed); "
-             f"median tokens/s of {st['repeats']} runs (plain, endpoint) and {st.get('side_repeats', st['repeats'])} "
-             "(the other modes). Both sides use the same engine arguments (art_nb's `engine_args` for the mode). "
-             "**endpoint**: `chat.completions.create` as a user's rollout calls it (art_nb returns token ids and "
-             "logprobs anyway); **+logprobs**: the same with `logprobs=True`; **direct**: `engine.generate`, no HTTP."), ""]
+    lines += [context(data), "", (f"Model: {data.get('weights')}. {st['completion_tokens']} tokens per request (fixed); "
+              f"median tokens/s of {st['repeats']} runs (plain, endpoint) and {st.get('side_repeats', st['repeats'])} "
+              "(the other modes). Both sides use the same engine arguments (art_nb's `engine_args` for the mode). "
+              "**endpoint**: `chat.completions.create` through `model.openai_client()`, as a user's rollout calls it "
+              "(art_nb returns token ids and logprobs anyway); **+logprobs**: the same with `logprobs=True`; **HTTP**: "
+              "a plain `AsyncOpenAI(base_url=...)` over loopback; **direct**: `engine.generate`, no HTTP."), ""]
     if not comparison.get("startup"):
         lines += ["No comparison yet: the run was cut short or is still going (sections: "
                   + ", ".join(f"{k} {v.get('status', 'running')}" for k, v in sections.items()) + ").", ""]
@@ -195,15 +144,16 @@ def gpu_throughput_by_startup(data: dict[str, Any]) -> list[str]:
         lines += [f"### vLLM start-up \"{mode}\" ({graphs}{'' if same is not False else '; ENGINES DIFFER'})", "",
                   (f"Start-up: plain `LLM(...)` {found.get('plain_init_s', '-')} s, art_nb register "
                    f"{found.get('art_register_s', '-')} s."), "",
-                  ("| concurrent | plain tok/s | endpoint tok/s | **endpoint / plain** | +logprobs / plain | direct / plain "
-                   "| ms/step plain, endpoint | before first + after last step, endpoint (ms) |"),
-                  "|---|---|---|---|---|---|---|---|"]
+                  ("| concurrent | plain tok/s | endpoint tok/s | **endpoint / plain** | +logprobs / plain | HTTP / plain "
+                   "| direct / plain | ms/step plain, endpoint | before first + after last step, endpoint (ms) |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for batch, r in found.get("ratios", {}).items():
             ms = r.get("ms_per_step", {})
             edge = [r.get(k, {}).get("endpoint") for k in ("lead_ms", "tail_ms")]
             mark = "" if r["endpoint_over_plain"] >= THROUGHPUT_GOAL else " (missed)"
             lines.append(f"| {batch} | {r['plain_tokens_per_s']:.0f} | {r['endpoint_tokens_per_s']:.0f} | "
                          f"**{r['endpoint_over_plain']:.2f}**{mark} | {_fmt(r.get('endpoint_logprobs_over_plain'))} | "
+                         f"{_fmt(r.get('endpoint_http_over_plain'))} | "
                          f"{_fmt(r.get('engine_direct_over_plain'))} | {_fmt(ms.get('plain'), 1)}, "
                          f"{_fmt(ms.get('endpoint'), 1)} | {' + '.join(_fmt(e, 0) for e in edge)} |")
         missed = [b for b, r in found.get("ratios", {}).items() if r["endpoint_over_plain"] < THROUGHPUT_GOAL]
@@ -261,16 +211,6 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
                   f"{get('trained_tokens_per_s'):.0f} trained tokens/s; peak GPU memory used "
                   f"{art.get('peak_gpu_used_gib')} GiB."), ""]
     trl = sections.get("trl", {})
-    # Before issue 15 a failed TRL side borrowed the previous run's; a run with start-up modes stands alone.
-    earlier = None if "vllm_startup" in st else load(RESULTS, "gpu_step_run1")
-    if trl.get("status") != "ok" and earlier and earlier["sections"].get("trl", {}).get("status") == "ok":
-        trl = earlier["sections"]["trl"]
-        old_art = earlier["sections"].get("art", {}).get("step_stats", {})
-        lines += [("TRL's side below comes from the previous run of this script on the same H200 the same day "
-                   f"(`h200/gpu_step_run1.json`, {earlier.get('date', '?')[:16]}); in that run art_nb, before vLLM "
-                   "stayed awake through training and before its 8192-token steps, took "
-                   f"{old_art.get('wall_s', {}).get('mean', 0):.2f} s a step (overhead "
-                   f"{old_art.get('overhead_share', {}).get('mean', 0):.1%})."), ""]
     if trl.get("status") == "ok":
         trl_s = trl["step_stats"]["wall_s"]["mean"]
         lines += [(f"TRL {data['versions'].get('trl')}: {trl_s:.2f} s per step "
@@ -278,21 +218,16 @@ def gpu_step(data: dict[str, Any] | None) -> list[str]:
                   f"{trl.get('peak_gpu_used_gib')} GiB."), ""]
         if art.get("status") == "ok":
             art_s = art["step_stats"]["wall_s"]["mean"]
-            goal = "goal >= 1.3" if "vllm_startup" in st else "goal: art_nb faster, > 1"
+            goal = "goal >= 1.3"
             missed = " **missed**" if verdict.get("step_goal_met") is False else ""
             lines += [f"**TRL step / art_nb step = {trl_s / art_s:.2f}** ({goal}){missed}.", ""]
     for key, label in (("overhead_goal_met", "overhead outside rollouts and training < 5%"),
                        ("swap_goal_met", "adapter hand-over (`time/swap`) <= 50 ms")):
         if key in verdict:
             lines += [f"Goal {label}: {'met' if verdict[key] else '**missed**'}.", ""]
-    before = load(RESULTS, "gpu_step_before_background_checkpoint")
-    if before and before.get("sections", {}).get("art", {}).get("status") == "ok":
-        old = before["sections"]["art"]["step_stats"]
-        lines += [("Before the checkpoint was finished in the background (`h200/gpu_step_before_background_checkpoint"
-                   f".json`): save {old['time/save']['mean']:.2f} s, whole step {old['wall_s']['mean']:.2f} s, overhead "
-                   f"{old['overhead_share']['mean']:.1%}. Since 2026-12-02 `time/save` is a CPU copy of the adapter and "
-                   "`time/swap` vLLM taking those tensors (no file on the step's path); the whole checkpoint (adapter "
-                   "file, optimizer state, fsync, rename) is written in the background during the next rollouts."), ""]
+    lines += [("`time/save` is the adapter's copy at the end of the step and `time/swap` vLLM taking those tensors "
+               "(no file on the step's path); the whole checkpoint (adapter file, optimizer state, fsync, rename) is "
+               "written in the background during the next rollouts."), ""]
     return lines + failures(sections)
 
 
@@ -315,41 +250,16 @@ def gpu_memory_fit(data: dict[str, Any] | None) -> list[str]:
     headroom = sections.get("register", {}).get("headroom_gib")
     if headroom is not None:
         lines += [f"Headroom under the cap after register: {headroom} GiB.", ""]
-    bf16 = load(RESULTS, "gpu_memory_fit_vllm_bf16_7c80458")
-    if bf16 and data.get("settings", {}).get("vllm_4bit"):
-        lines += _fit_comparison(sections, bf16.get("sections", {}))
-    old = load(RESULTS, "gpu_memory_fit_run3_old_margin")
-    if old and "fits" in old.get("sections", {}).get("verdict", {}):
-        v = old["sections"]["verdict"]
-        lines += [(f"With the plan's earlier margin (1.5 GiB kept back; `h200/gpu_memory_fit_run3_old_margin.json`) the "
-                   f"peak was {v['peak_used_gib']} GiB: {v['summary']}. The plan now keeps back max(3 GiB, 8%)."), ""]
+    kl = sections.get("train_step", {}).get("metrics", {}).get("mismatch_kl")
+    if kl is not None:
+        weights = "bf16" if st.get("vllm_4bit") == "off" else "NF4, the trainer's own"
+        lines += [(f"vLLM's weights: {weights} "
+                   f"(`--vllm-4bit {st.get('vllm_4bit', 'auto')}`); sampler/trainer mismatch KL of the train step "
+                   f"{kl:.3f}."), ""]
     return lines + failures(sections)
 
 
-def _kv_tokens(sections: dict[str, Any]) -> str:
-    reasons = sections.get("register", {}).get("engine_reasons", [])
-    found = [r.rsplit("KV for ~", 1)[-1].split(" ")[0] for r in reasons if "gpu_memory_utilization=" in r and "KV for ~" in r]
-    return found[0] if found else "-"
-
-
-def _fit_comparison(nf4: dict[str, Any], bf16: dict[str, Any]) -> list[str]:
-    """The same configuration with vLLM serving bf16 weights (run just before, same machine and commit)."""
-    rows = [("peak device memory used (GiB)", lambda s: s.get("verdict", {}).get("peak_used_gib", "-")),
-            ("KV cache planned (tokens)", _kv_tokens),
-            ("rollouts: 64 games of ~3900 tokens (s)", lambda s: s.get("rollouts", {}).get("seconds", "-")),
-            ("train step (s)", lambda s: s.get("train_step", {}).get("seconds", "-")),
-            ("mismatch KL, sampler vs trainer", lambda s: round(s.get("train_step", {}).get("metrics", {})
-                                                                 .get("mismatch_kl", float("nan")), 3))]
-    lines = ["vLLM's weights as NF4 (`ModelConfig.vllm_4bit`, on by default with a 4-bit trainer) against the same "
-             "configuration with vLLM serving bf16 weights (`--vllm-4bit off`, `h200/gpu_memory_fit_vllm_bf16_7c80458.json`, "
-             "the run before on the same machine):", "", "| | vLLM NF4 (the trainer's weights) | vLLM bf16 |", "|---|---|---|"]
-    lines += [f"| {name} | {get(nf4)} | {get(bf16)} |" for name, get in rows]
-    return lines + ["", ("Both at 7c80458, where PyTorch's cap was the whole 15 GiB although the CUDA context (~0.6 GiB) "
-                         "sat outside it; a real 15 GiB GPU has that much less free, and the benchmark now caps PyTorch "
-                         "at the cap less the context (e0c28f3)."), ""]
-
-
-# art_nb's engine in the T4 head to head (runs before 2026-12-02's --art-engine used the transformers engine)
+# art_nb's engine in the T4 head to head (`--art-engine`; runs without the setting used the transformers engine)
 _T4_ENGINES = {"hf": "transformers engine", "vllm": "vLLM engine"}
 
 
@@ -393,94 +303,74 @@ def gpu_t4_vs_unsloth(data: dict[str, Any] | None) -> list[str]:
     return lines + failures(sections)
 
 
-def summary_table(results: dict[str, dict[str, Any] | None]) -> list[str]:
-    """The README's table: one row per benchmark, art_nb against its peer, from the same JSON."""
-    rows = ["| benchmark | art_nb | peer | ratio | goal |", "|---|---|---|---|---|"]
-    cts = results.get("cpu_train_step")
-    if cts and "summary" in cts:
-        s = cts["summary"]
-        a, t = s["seconds"]["art_nb"]["median"], s["seconds"]["trl"]["median"]
-        rows.append(f"| GRPO step, CPU, SmolLM2-135M, 24 trajectories | {a:.1f} s, {s['peak_rss_mib']['art_nb'] / 1024:.1f} GiB "
-                    f"| TRL {cts['versions'].get('trl')}: {t:.1f} s, {s['peak_rss_mib']['trl'] / 1024:.1f} GiB "
-                    f"| {t / a:.2f}x faster | >= 1.5x, less memory |")
-    eo = results.get("endpoint_overhead")
-    if eo:
-        ok = [v for v in eo.get("sections", {}).values() if v.get("status") == "ok"]
-        if ok:
-            worst = max(ok, key=lambda v: v["overhead"])
-            overheads = ", ".join(format(v["overhead"], "+.1%") for v in ok)
-            levels = ", ".join(str(v["concurrency"]) for v in ok)
-            rows.append(f"| OpenAI endpoint vs engine called directly, CPU | {overheads} at {levels} concurrent | "
-                        f"direct calls | worst {worst['overhead']:+.1%} | < 10% |")
-    tp = results.get("gpu_throughput")
-    ratios = (tp or {}).get("sections", {}).get("comparison", {}).get("ratios", {})
-    for mode, found in (tp or {}).get("sections", {}).get("comparison", {}).get("startup", {}).items():
-        r = found.get("ratios", {})
-        if r:
-            rows.append(f"| rollout tokens/s, H200, 3B (random weights), endpoint, vLLM \"{mode}\" | "
-                        + ", ".join(f"{v['endpoint_tokens_per_s']:.0f}" for v in r.values()) + " at "
-                        + ", ".join(r) + " concurrent | plain vLLM: "
-                        + ", ".join(f"{v['plain_tokens_per_s']:.0f}" for v in r.values()) + " | "
-                        + ", ".join(f"{v['endpoint_over_plain']:.2f}" for v in r.values())
-                        + f" | >= {THROUGHPUT_GOAL}" + ("" if all(v["endpoint_over_plain"] >= THROUGHPUT_GOAL
-                                                             for v in r.values()) else " (missed)") + " |")
-    later = load(RESULTS, LATER_THROUGHPUT) if tp else None
-    for mode, found in (later or {}).get("sections", {}).get("comparison", {}).get("startup", {}).items():
-        r = found.get("ratios", {})
-        if r:
-            rows.append(f"| the same, vLLM \"{mode}\", GIL switch interval 0.5 ms (later run) | "
-                        + ", ".join(f"{v['endpoint_tokens_per_s']:.0f}" for v in r.values()) + " | plain vLLM: "
-                        + ", ".join(f"{v['plain_tokens_per_s']:.0f}" for v in r.values()) + " | "
-                        + ", ".join(f"{v['endpoint_over_plain']:.2f}" for v in r.values())
-                        + f" | >= {THROUGHPUT_GOAL}" + ("" if all(v["endpoint_over_plain"] >= THROUGHPUT_GOAL
-                                                             for v in r.values()) else " (missed)") + " |")
-    if ratios:
-        rows.append("| rollout tokens/s, H200, 3B (random weights), endpoint | "
-                    + ", ".join(f"{r['endpoint_tokens_per_s']:.0f}" for r in ratios.values()) + " at "
-                    + ", ".join(ratios) + " concurrent | plain vLLM: "
-                    + ", ".join(f"{r['plain_tokens_per_s']:.0f}" for r in ratios.values()) + " | "
-                    + ", ".join(f"{r['endpoint_over_plain']:.2f}" for r in ratios.values()) + " | >= 0.9 |")
-    step = results.get("gpu_step")
-    art = (step or {}).get("sections", {}).get("art", {})
-    new_format = "vllm_startup" in (step or {}).get("settings", {})
-    earlier = None if new_format else load(RESULTS, "gpu_step_run1")
-    trl = (step or {}).get("sections", {}).get("trl")
-    when = ""
-    if not trl and earlier:
-        trl, when = earlier.get("sections", {}).get("trl", {}), " (previous run of the script)"
-    if art.get("status") == "ok" and trl and trl.get("status") == "ok":
-        a, t = art["step_stats"]["wall_s"]["mean"], trl["step_stats"]["wall_s"]["mean"]
-        goal = ">= 1.3, overhead < 5%" if new_format else "> 1, overhead < 5%"
-        rows.append(f"| GRPO step, H200, 3B, 64 rollouts x 128 tokens | {a:.2f} s ({art['step_stats']['overhead_share']['mean']:.0%} "
-                    f"overhead) | TRL colocated{when}: {t:.2f} s | {t / a:.2f} | {goal} |")
-    t4_data = results.get("gpu_t4_vs_unsloth") or {}
-    t4 = t4_data.get("sections", {}).get("comparison", {})
-    if t4.get("art_nb_over_unsloth_time") is not None:
-        engine = _T4_ENGINES[t4_data.get("settings", {}).get("art_engine", "hf")]
-        rows.append(f"| GRPO step, T4 settings (H200 capped at 15 GiB), 3B 4-bit, art_nb serving with the {engine} | "
-                    f"{t4['art_nb_step_s']:.2f} s, peak "
-                    f"{t4['art_nb_peak_gib']} GiB | Unsloth's T4 recipe: {t4['unsloth_step_s']:.2f} s, peak "
-                    f"{t4['unsloth_peak_gib']} GiB | {t4['art_nb_over_unsloth_time']:.2f} | <= 1.0, <= its memory |")
-    fit = results.get("gpu_memory_fit")
-    verdict = (fit or {}).get("sections", {}).get("verdict", {})
-    if "fits" in verdict:
-        bf16 = (load(RESULTS, "gpu_memory_fit_vllm_bf16_7c80458") or {}).get("sections", {}).get("verdict", {})
-        peer = f"vLLM bf16 weights: peak {bf16['peak_used_gib']} GiB" if "peak_used_gib" in bf16 else "-"
-        met = "met" if verdict["peak_used_gib"] < 12.0 else "missed"
-        rows.append(f"| 3B 4-bit, 2048-notebook shapes, under a 15 GiB cap, vLLM NF4 | peak {verdict['peak_used_gib']} GiB"
-                    f" | {peer} | {'fits' if verdict['fits'] else 'does not fit'} | peak < 12 GiB ({met}) |")
-    return rows
+def gpu_startup(data: dict[str, Any] | None) -> list[str]:
+    lines = ["## Start-up: register with vLLM + Unsloth in a fresh process", ""]
+    if not data:
+        return lines + ["Not run yet (`bench/gpu_startup.py`, on the H200).", ""]
+    lines += [context(data), "", f"Model: {data.get('model')}.", "", "| vLLM start-up | register (s) | phases |",
+              "|---|---|---|"]
+    for mode, section in data.get("sections", {}).items():
+        lines.append(f"| {mode} | {section.get('register_s', '-')} | {section.get('startup', section.get('error', '-'))} |")
+    return lines + [""] + failures(data.get("sections", {}))
 
 
-def write_readme_table(readme: Path, rows: list[str]) -> None:
-    """Replace what sits between the README's bench markers with `rows`."""
-    start, end = "<!-- bench:start (bench/make_table.py) -->", "<!-- bench:end -->"
+# The results table: what each benchmark measures and its goal, in the order the table shows them.
+BENCHMARKS = {
+    "cpu_demo": ("`bash scripts/demo.sh`: SmolLM2-135M learns tic-tac-toe (base -> trained, fixed games)",
+                 "the evaluation improves"),
+    "cpu_train_step": ("a GRPO step vs TRL's `GRPOTrainer` (24 tic-tac-toe trajectories)", ">= 1.5x, less memory"),
+    "endpoint_overhead": ("the OpenAI endpoint vs calling the engine directly", "< 10%"),
+    "endpoint_per_request": ("CPU per chat completion: `model.openai_client()` (in-process) vs HTTP", "-"),
+    "hf_prefix_cache": ("multi-turn rollouts with the transformers engine's prefix cache on vs off", "faster, same replies"),
+    "hf_adapter_swap": ("a step's adapter hand-over in the transformers engine", "-"),
+    "load_endpoint": ("256 concurrent 3-turn rollouts, twice, a train step in the middle", "0 failed"),
+    "loss_menu_cpu": ("each loss of the menu on a tiny task, 15 steps", "the reward rises"),
+    "sft_warm_start_cpu": ("SFT on 8 demonstrations before 3 GRPO steps", "-"),
+    "cpu_threads": ("torch threads on a 2-core CPU", "-"),
+    "gpu_tictactoe": ("SmolLM2-135M learns tic-tac-toe with vLLM + Unsloth", "-"),
+    "gpu_startup": ("register with vLLM + Unsloth (SmolLM2-135M) in a fresh process", "< 90 s"),
+    "gpu_throughput": ("rollout tokens/s, 3B shape: the endpoint vs plain `vllm.LLM`", ">= 0.95"),
+    "gpu_step": ("a GRPO step vs TRL with colocated vLLM, 3B shape, 64 x 128 tokens", ">= 1.3x, overhead < 5%, swap <= 50 ms"),
+    "gpu_t4_vs_unsloth": ("T4 settings (15 GiB cap, 3B 4-bit) vs Unsloth's own T4 GRPO recipe", "<= 1.0x time, <= its memory"),
+    "gpu_memory_fit": ("the 2048 notebook's 3B 4-bit configuration under a 15 GiB cap", "peak < 12 GiB"),
+}
+
+
+def latest_rows(rows: list[dict[str, Any]], root: Path = ROOT) -> list[dict[str, Any]]:
+    """The newest run of each benchmark on each machine among the files bench/results/ still holds."""
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        if row["benchmark"] in BENCHMARKS and run_history.kept(row, root):
+            key = (row["benchmark"], row["machine"].split(",")[0])
+            if key not in latest or row["date"] > latest[key]["date"]:
+                latest[key] = row
+    order = list(BENCHMARKS)
+    return sorted(latest.values(), key=lambda r: (order.index(r["benchmark"]), r["machine"]))
+
+
+def results_table(rows: list[dict[str, Any]], base: str = "") -> list[str]:
+    """The README's table (and RESULTS.md's first): one row per benchmark, each linking its raw file."""
+    lines = ["| benchmark | machine | result | goal | raw |", "|---|---|---|---|---|"]
+    for r in rows:
+        what, goal = BENCHMARKS[r["benchmark"]]
+        lines.append(f"| {what} | {r['machine']} | {r['result'].replace('|', '/')} | {goal} | "
+                     f"[{Path(r['file']).name}]({base}{r['file']}) |")
+    return lines
+
+
+def write_readme_table(readme: Path, lines: list[str]) -> None:
+    """Replace what sits between the README's results markers with `lines`."""
     text = readme.read_text()
-    if start not in text or end not in text:
+    if README_START not in text or README_END not in text:
         return
-    head, rest = text.split(start, 1)
-    readme.write_text(head + start + "\n" + "\n".join(rows) + "\n" + end + rest.split(end, 1)[1])
+    head, rest = text.split(README_START, 1)
+    readme.write_text(head + README_START + "\n" + "\n".join(lines) + "\n" + README_END + rest.split(README_END, 1)[1])
 
+
+def readme_block(readme: Path) -> list[str]:
+    """What sits between the README's results markers now."""
+    text = readme.read_text()
+    return text.split(README_START, 1)[1].split(README_END, 1)[0].strip("\n").splitlines() if README_START in text else []
 
 def failures(sections: dict[str, Any]) -> list[str]:
     failed = [(k, v) for k, v in sections.items() if v.get("status") == "error"]
@@ -522,8 +412,8 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
             ax.legend(fontsize=8)
         elif name == "gpu_throughput":
             comparison = data.get("sections", {}).get("comparison", {})
-            by_mode = comparison.get("startup", {})  # issue-15 format: the first mode measured (the default)
-            ratios = comparison.get("ratios") or next((m["ratios"] for m in by_mode.values() if m.get("ratios")), {})
+            by_mode = comparison.get("startup", {})  # the first mode measured: the default
+            ratios = next((m["ratios"] for m in by_mode.values() if m.get("ratios")), {})
             batches = list(ratios)
             x = range(len(batches))
             ax.bar([i - 0.2 for i in x], [ratios[b]["plain_tokens_per_s"] for b in batches], 0.4, label="plain vLLM",
@@ -539,9 +429,6 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
             sections = data.get("sections", {})
             art = sections.get("art", {}).get("step_stats", {})
             trl = sections.get("trl", {}).get("step_stats", {})
-            earlier = None if "vllm_startup" in data.get("settings", {}) else load(RESULTS, "gpu_step_run1")
-            if not trl and earlier:  # before issue 15: TRL's side from the previous run (see RESULTS.md)
-                trl = earlier["sections"].get("trl", {}).get("step_stats", {})
             parts = [("rollout_s", "rollouts"), ("time/pause", "pause+sleep"), ("time/train", "train"),
                      ("time/save", "save"), ("time/swap", "wake+LoRA")]
             bottom = 0.0
@@ -564,7 +451,7 @@ def plot(results: dict[str, dict[str, Any] | None], path: Path) -> str:
 
 
 def one_line(path: Path) -> str:
-    """A results file in one line: each section's status, then the verdict (what run_issue15_h200.sh prints)."""
+    """A results file in one line: each section's status, then the verdict (what run_h200.sh prints)."""
     if not path.exists():
         return f"{path.name}: not written"
     data = json.loads(path.read_text())
@@ -574,33 +461,54 @@ def one_line(path: Path) -> str:
     return f"{data.get('benchmark', path.stem)}: {states}; {verdict}"
 
 
+NAMES = ("cpu_train_step", "endpoint_overhead", "gpu_throughput", "gpu_step", "gpu_t4_vs_unsloth", "gpu_memory_fit",
+         "gpu_startup")
+
+
+def results_markdown(results: dict[str, dict[str, Any] | None], rows: list[dict[str, Any]], figure: str) -> str:
+    """RESULTS.md: the latest run of each benchmark, the details of the main ones, then every run."""
+    lines = ["# Benchmark results", "",
+             ("Generated by `bench/make_table.py` from the raw files in `bench/results/` (every repeat is there, with "
+              "the command, machine and versions) and the run history in `bench/results/history.jsonl`; do not edit "
+              "by hand. How to reproduce: `bench/README.md`."), "",
+             f"![benchmarks]({figure})", "", "## The latest run of each benchmark", ""]
+    lines += results_table(latest_rows(rows), base="../") + [""]
+    lines += cpu_train_step(results["cpu_train_step"])
+    lines += endpoint_overhead(results["endpoint_overhead"])
+    lines += gpu_startup(results["gpu_startup"])
+    lines += gpu_throughput(results["gpu_throughput"])
+    lines += gpu_step(results["gpu_step"])
+    lines += gpu_t4_vs_unsloth(results["gpu_t4_vs_unsloth"])
+    lines += gpu_memory_fit(results["gpu_memory_fit"])
+    lines += ["## Every run", "",
+              ("One row per run of a benchmark, a GPU test session or a notebook run on the GPU, oldest first: the "
+               "files of older runs have left the tree (git history keeps them), their numbers stay here. The commit is "
+               "the code the run ran, where it is known."), ""]
+    lines += run_history.render(rows, base="../")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     parser.add_argument("--plot", type=Path, default=ROOT / "assets" / "benchmarks.png")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="whose bench table to rewrite")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="whose results table to rewrite")
+    parser.add_argument("--commit", default=None, help="the commit the new results files ran (a GPU run's JSON may "
+                                                        "name a stale one)")
     parser.add_argument("--one-line", type=Path, default=None, metavar="JSON", help="print one results file's verdict")
     args = parser.parse_args()
     if args.one_line:
         print(one_line(args.one_line))
         return
-    names = ("cpu_train_step", "endpoint_overhead", "gpu_throughput", "gpu_step", "gpu_t4_vs_unsloth", "gpu_memory_fit")
-    results = {name: load(args.results, name) for name in names}
+    added = run_history.update(commit=args.commit)
+    rows = run_history.read()
+    results = {name: load(args.results, name) for name in NAMES}
     figure = plot(results, args.plot)
-    lines = ["# Benchmark results", "",
-             ("Generated by `bench/make_table.py` from the raw JSON in `bench/results/` (every repeat is there, with "
-             "the command, machine and versions); do not edit by hand. How to reproduce: `bench/README.md`."), "",
-             f"![benchmarks]({Path('..') / figure if not figure.startswith('/') else figure})", ""]
-    lines += cpu_train_step(results["cpu_train_step"])
-    lines += endpoint_overhead(results["endpoint_overhead"])
-    lines += gpu_throughput(results["gpu_throughput"])
-    lines += gpu_step(results["gpu_step"])
-    lines += gpu_t4_vs_unsloth(results["gpu_t4_vs_unsloth"])
-    lines += gpu_memory_fit(results["gpu_memory_fit"])
-    args.out.write_text("\n".join(lines).rstrip() + "\n")
-    write_readme_table(args.readme, summary_table(results))
-    print(f"wrote {args.out} and {figure}")
+    relative = Path("..") / figure if not figure.startswith("/") else figure
+    args.out.write_text(results_markdown(results, rows, str(relative)))
+    write_readme_table(args.readme, results_table(latest_rows(rows)))
+    print(f"wrote {args.out}, {figure} and the README's table; {len(added)} new run(s) in the history")
 
 
 if __name__ == "__main__":

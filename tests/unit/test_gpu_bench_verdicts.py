@@ -1,0 +1,167 @@
+"""The GPU benchmarks' pure parts: ratios, goals, graph settings, the tables made from them.
+
+The scripts run on an H200 only; what decides their verdicts (which number is over which, whether both
+engines ran alike, whether a goal is missed) is plain Python and is checked here on synthetic results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load(name: str) -> Any:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAST = {"enforce_eager": False, "compile_mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY",
+        "max_cudagraph_capture_size": 512}
+
+
+def row(rate: float, tokens: int = 1024) -> dict[str, Any]:
+    return {"tokens": [tokens, tokens], "tokens_per_s_stats": {"median": rate}}
+
+
+def throughput_sections() -> dict[str, Any]:
+    return {
+        "fast/plain_vllm": {"status": "ok", "init_s": 40.0, "graph_setting": FAST,
+                            "batches": {"8": row(1000.0), "64": row(8000.0), "256": {"skipped": "deadline"}}},
+        "fast/art_vllm": {"status": "ok", "register_s": 50.0, "graph_setting": FAST,
+                          "batches": {"8": {"endpoint": row(960.0), "endpoint_logprobs": row(900.0),
+                                            "engine_direct": row(990.0)},
+                                      "64": {"endpoint": row(7000.0), "engine_direct": row(7900.0, tokens=1000)}}},
+    }
+
+
+def test_throughput_compare_puts_the_endpoint_over_plain_and_judges_the_goal() -> None:
+    tp = load("gpu_throughput")
+    found = tp.compare(throughput_sections(), ["fast"])["startup"]["fast"]
+    assert set(found["ratios"]) == {"8", "64"}  # a skipped batch has no ratio
+    eight, sixty_four = found["ratios"]["8"], found["ratios"]["64"]
+    assert eight["endpoint_over_plain"] == 0.96 and eight["goal_met"]
+    assert eight["endpoint_logprobs_over_plain"] == 0.9
+    assert sixty_four["endpoint_over_plain"] == 0.875 and not sixty_four["goal_met"]
+    assert "endpoint_logprobs_over_plain" not in sixty_four
+    assert eight["same_token_counts"] and not sixty_four["same_token_counts"]
+    assert found["same_graph_setting"] is True
+    assert (found["plain_init_s"], found["art_register_s"]) == (40.0, 50.0)
+
+
+def test_throughput_compare_notices_engines_that_ran_differently() -> None:
+    tp = load("gpu_throughput")
+    sections = throughput_sections()
+    sections["fast/art_vllm"]["graph_setting"] = {**FAST, "compile_mode": "VLLM_COMPILE"}
+    assert tp.compare(sections, ["fast"])["startup"]["fast"]["same_graph_setting"] is False
+
+
+def test_a_part_stops_repeating_when_the_next_round_would_pass_the_deadline() -> None:
+    import time
+
+    tp = load("gpu_throughput")
+    deadline = tp.Deadline(time.time() + 10, margin_s=1)
+    assert deadline.fits()
+    deadline.longest = 20.0
+    assert not deadline.fits()
+    deadline.longest = 5.0
+    assert deadline.fits() and not deadline.fits(scale=2.0)
+
+
+def test_step_compare_judges_every_goal_and_the_graph_setting() -> None:
+    step = load("gpu_step")
+    stats = lambda **means: {k: {"mean": v} for k, v in means.items()}
+    sections = {"art": {"step_stats": stats(wall_s=2.0, overhead_share=0.08, **{"time/swap": 0.03, "time/save": 0.1}),
+                        "graph_setting": FAST},
+                "trl": {"step_stats": stats(wall_s=2.8), "graph_setting": {**FAST, "cudagraph_mode": "PIECEWISE"}}}
+    out = step.compare(sections)
+    assert out["trl_over_art_nb"] == 1.4 and out["step_goal_met"]
+    assert out["overhead_goal_met"] is False and out["swap_goal_met"] is True
+    assert out["same_graph_setting"] is False and "DIFFERENT" in out["verdict"]
+
+
+def test_t4_compare_wants_no_more_time_and_no_more_memory_than_unsloth() -> None:
+    t4 = load("gpu_t4_vs_unsloth")
+    side = lambda mean, peak: {"steps": {"step_s": {"mean": mean}}, "peak_gpu_used_gib": peak}
+    out = t4.compare({"art": side(9.0, 11.0), "unsloth": side(10.0, 12.5)})
+    assert out["art_nb_over_unsloth_time"] == 0.9 and out["time_goal_met"] and out["memory_goal_met"]
+    out = t4.compare({"art": side(12.0, 13.0), "unsloth": side(10.0, 12.5)})
+    assert not out["time_goal_met"] and not out["memory_goal_met"]
+    assert t4.compare({"art": side(12.0, 13.0)})["verdict"] == "incomplete"
+    assert t4.step_summary([30.0, 5.0, 7.0])["step_s"]["mean"] == 6.0  # step 1 (compilation) left out
+
+
+def test_startup_helpers_pick_the_switches_and_read_what_the_engine_ran() -> None:
+    common = load("_common")
+    assert common.startup_env("eager") == {"ART_NB_VLLM_STARTUP": "eager", "ART_NB_VLLM_ENFORCE_EAGER": "1"}
+    assert common.startup_env("fast")["ART_NB_VLLM_ENFORCE_EAGER"] == "0"
+    with pytest.raises(ValueError, match="startup mode"):
+        common.startup_env("turbo")
+    kwargs = {"model": "m", "enforce_eager": False, "compilation_config": {"mode": 0}, "max_lora_rank": 16}
+    assert common.graph_kwargs(kwargs) == {"enforce_eager": False, "compilation_config": {"mode": 0}}
+    config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=False),
+                             compilation_config=SimpleNamespace(mode=SimpleNamespace(name="NONE"),
+                                                                cudagraph_mode=SimpleNamespace(name="FULL_DECODE_ONLY"),
+                                                                max_cudagraph_capture_size=512))
+    assert common.graph_setting(config) == FAST
+    assert common.describe_graphs(FAST) == "compile NONE, CUDA graphs FULL_DECODE_ONLY"
+    assert common.graph_setting(None)["cudagraph_mode"] is None
+
+
+def test_make_table_renders_the_new_results_and_says_where_a_goal_is_missed(tmp_path: Path) -> None:
+    tp, table = load("gpu_throughput"), load("make_table")
+    sections = throughput_sections()
+    sections["comparison"] = tp.compare(sections, ["fast"])
+    data = {"settings": {"completion_tokens": 128, "repeats": 3, "side_repeats": 2, "startup": ["fast"]},
+            "weights": "random", "sections": sections}
+    text = "\n".join(table.gpu_throughput(data))
+    assert 'vLLM start-up "fast"' in text and "**0.96**" in text and "**0.88** (missed)" in text
+    assert "missed** at 64 concurrent" in text
+    history = load("run_history")
+    assert history.headline("gpu_throughput", data) == '"fast" endpoint / plain vLLM 0.96, 0.88 at 8, 64'
+
+    t4 = load("gpu_t4_vs_unsloth")
+    side = lambda mean, peak: {"status": "ok", "steps": {"step_s": {"mean": mean}, "every_step_s": [30, mean]},
+                               "peak_gpu_used_gib": peak}
+    t4_sections = {"art": side(12.0, 11.0), "unsloth": side(10.0, 12.5)}
+    t4_sections["comparison"] = t4.compare(t4_sections)
+    t4_data = {"settings": {"base": "4-bit", "dtype": "float16", "lora_rank": 64, "generations": 8,
+                            "completion_tokens": 200, "cap_gib": 15.0, "not_a_t4": "not a T4"},
+               "sections": t4_sections}
+    text = "\n".join(table.gpu_t4_vs_unsloth(t4_data))
+    assert "= 1.20**" in text and "**missed**: step time <= 1.0x" in text
+
+    path = tmp_path / "gpu_t4_vs_unsloth.json"
+    path.write_text(json.dumps({"benchmark": "gpu_t4_vs_unsloth", "sections": {
+        "art": {"status": "ok"}, "unsloth": {"status": "error"}, "comparison": {"summary": "incomplete"}}}))
+    assert table.one_line(path) == "gpu_t4_vs_unsloth: art ok, unsloth error; incomplete"
+
+
+def test_make_table_renders_the_committed_gpu_results() -> None:
+    table = load("make_table")
+    results = {name: table.load(BENCH / "results", name) for name in table.NAMES}
+    assert all(results.values()), [name for name, data in results.items() if not data]
+    assert "TRL step / art_nb step" in "\n".join(table.gpu_step(results["gpu_step"]))
+    assert "| 256 |" in "\n".join(table.gpu_throughput(results["gpu_throughput"]))
+    assert "| fast |" in "\n".join(table.gpu_startup(results["gpu_startup"]))
+
+
+def test_the_segment_script_parses_and_refuses_an_unknown_segment(tmp_path: Path) -> None:
+    script = BENCH / "run_h200.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    done = subprocess.run(["bash", str(script), "nonsense"], cwd=tmp_path, capture_output=True, text=True,
+                          env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=False)
+    assert done.returncode == 2 and "unknown segment" in done.stdout
