@@ -97,6 +97,13 @@ def test_every_results_file_in_the_tree_has_its_row() -> None:
     assert not missing, f"run `.venv/bin/python bench/make_table.py` to record {missing}"
 
 
+def test_the_readme_results_table_is_the_generated_one() -> None:
+    table = load("make_table")
+    expected = table.results_table(table.latest_rows(committed_rows()))
+    assert len(expected) > 10
+    assert table.readme_block(ROOT / "README.md") == expected, "run `.venv/bin/python bench/make_table.py`"
+
+
 def test_results_md_is_the_generated_one() -> None:
     table = load("make_table")
     results = {name: table.load(table.RESULTS, name) for name in table.NAMES}
