@@ -5,6 +5,11 @@ whatever serves and trains a model.
 (a hosted API) implement every method here, so a notebook swaps one object and nothing else, and
 no caller needs to probe a backend for what it can do. The protocol is typed on `ModelRef` (in
 `types.py`), not on `Model`, so this module does not import the model handle.
+
+`train_inputs` and `sft_inputs` are what every backend's `train` and `train_sft` do first, so the
+three take ART's arguments and refuse bad input the same way, whether the call came through the
+handle (`model.train`) or straight to the backend (`backend.train(model, groups, ...)`, as ART code
+does), before anything is written or sent.
 """
 
 from __future__ import annotations
@@ -14,11 +19,42 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from .config import TrainConfig
+from .porting import train_config
 from .sft_config import TrainSFTConfig
-from .trajectories import Trajectory, TrajectoryGroup
+from .trajectories import Trajectory, TrajectoryGroup, gathered_groups
 from .types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 
-__all__ = ["Backend", "InferenceEndpoint", "ProgressCallback", "TrainResult"]
+__all__ = ["Backend", "InferenceEndpoint", "ProgressCallback", "TrainResult", "sft_inputs", "train_inputs"]
+
+
+def train_inputs(groups: Iterable[TrajectoryGroup], config: TrainConfig | None, kwargs: Mapping[str, Any],
+                 where: str) -> tuple[list[TrajectoryGroup], TrainConfig]:
+    """The groups, checked (`gathered_groups`), and the config: `config` (default `TrainConfig()`) with
+    ART's keyword arguments applied (`art_nb.porting.train_config`; `where` names the call in its messages)."""
+    if kwargs:
+        config = train_config(config, kwargs, where)
+    return gathered_groups(groups), config or TrainConfig()
+
+
+def sft_inputs(trajectories: Iterable[Trajectory | Mapping[str, Any]],
+               config: TrainSFTConfig | None) -> tuple[list[Trajectory], TrainSFTConfig]:
+    """The demonstrations as Trajectories (a dict of their fields is validated into one) and the
+    config (default `TrainSFTConfig()`), whose learning-rate schedule must fit their batches.
+
+    Raises TypeError naming the index of something that is not a trajectory, or a config of another
+    type; ValueError when a schedule has another length than the batches (`TrainSFTConfig.schedule`).
+    """
+    items = [Trajectory.model_validate(t) if isinstance(t, Mapping) else t for t in trajectories]
+    for i, item in enumerate(items):
+        if not isinstance(item, Trajectory):
+            raise TypeError(f"trajectories[{i}] is a {type(item).__name__}: train_sft takes art.Trajectory "
+                            "objects (or dicts of their fields)")
+    config = config or TrainSFTConfig()
+    if not isinstance(config, TrainSFTConfig):
+        raise TypeError(f"config is a {type(config).__name__}: pass art.TrainSFTConfig(...)")
+    if items:  # an empty call trains nothing and checks nothing
+        config.schedule(len(items))
+    return items, config
 
 
 @runtime_checkable

@@ -59,6 +59,11 @@ class TrainSFTConfig(BaseModel):
         """`batch_size` with "auto" resolved (ART's local backend: 2)."""
         return AUTO_SFT_BATCH_SIZE if self.batch_size == "auto" else int(self.batch_size)
 
+    def schedule(self, trajectories: int) -> list[float]:
+        """One learning rate per batch of `trajectories` demonstrations: ceil(trajectories / batch size)
+        batches, the last one shorter if they do not divide evenly (as ART batches them)."""
+        return self.learning_rates(-(-trajectories // self.resolved_batch_size))
+
     def learning_rates(self, batches: int) -> list[float]:
         """One learning rate per batch: the single rate repeated, or the schedule given, which must
         have exactly one rate per batch (ART raises on a mismatch too)."""

@@ -118,7 +118,7 @@ def prepare_sft_batches(trajectories: Sequence[Trajectory], tokenizer: Any, conf
     size = config.resolved_batch_size
     chunks = [list(trajectories[i : i + size]) for i in range(0, len(trajectories), size)]
     batches = []
-    for chunk, rate in zip(chunks, config.learning_rates(len(chunks)), strict=True):
+    for chunk, rate in zip(chunks, config.schedule(len(trajectories)), strict=True):
         batch = SFTBatch(items=[], learning_rate=rate)
         for trajectory in chunk:
             item = tokenize_sft(tokenizer, trajectory, max_seq_len, config.assistant_turns)

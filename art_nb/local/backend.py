@@ -24,11 +24,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from art_nb.backend import sft_inputs, train_inputs
 from art_nb.config import TrainConfig, report_ignored
-from art_nb.porting import train_config
 from art_nb.sft_config import TrainSFTConfig
 from art_nb.store import model_dir as store_model_dir
-from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
 
 from . import s3
@@ -136,10 +136,9 @@ class LocalBackend:
         loss_fn=..., kl_penalty_coef=..., ...)` (art_nb.porting maps each argument onto TrainConfig,
         reporting once those with no equivalent). `on_progress` is called from the trainer's thread
         after each microbatch. Returns the new step, its metrics and its checkpoint's path."""
-        if kwargs:
-            config = train_config(config, kwargs, "LocalBackend.train")
-        groups = gathered_groups(groups)  # trajectories changed in place since they were built are checked again
-        return await self.loop.run(self._runtime.train(model, groups, config or TrainConfig(), on_progress))
+        # trajectories changed in place since they were built are checked again
+        checked, chosen = train_inputs(groups, config, kwargs, "LocalBackend.train")
+        return await self.loop.run(self._runtime.train(model, checked, chosen, on_progress))
 
     async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
                         config: TrainSFTConfig | None = None, _config: Mapping[str, Any] | None = None,
@@ -150,12 +149,11 @@ class LocalBackend:
         here: metrics are always recorded (history split "sft"). `on_progress` gets one event per batch."""
         from . import sft
 
-        items = [Trajectory.model_validate(t) if isinstance(t, dict) else t for t in trajectories]
-        config = config or TrainSFTConfig()
+        items, chosen = sft_inputs(trajectories, config)
 
         async def run() -> TrainResult:
             gate = await self._runtime.ensure_server()
-            return await sft.train_sft(self._runtime.state(model), gate, items, config, on_progress)
+            return await sft.train_sft(self._runtime.state(model), gate, items, chosen, on_progress)
 
         return await self.loop.run(run())
 

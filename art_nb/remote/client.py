@@ -30,12 +30,12 @@ import httpx
 
 from art_nb import events
 from art_nb._version import __version__
+from art_nb.backend import sft_inputs, train_inputs
 from art_nb.config import TrainConfig
-from art_nb.porting import train_config
 from art_nb.secrets import Secret, find_secret
 from art_nb.sft_config import TrainSFTConfig
 from art_nb.store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, model_dir
-from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
 
 from ..wire import (
@@ -186,11 +186,8 @@ class RemoteBackend:
                     **kwargs: Any) -> TrainResult:
         """One step on the server. ART's `backend.train(model, groups, learning_rate=..., ...)` works
         unchanged (art_nb.porting maps its arguments onto TrainConfig)."""
-        if kwargs:
-            config = train_config(config, kwargs, "RemoteBackend.train")
-        groups = gathered_groups(groups)  # checked here, before anything is sent
-        body = {"groups": [group_to_wire(g) for g in groups],
-                "config": (config or TrainConfig()).model_dump(mode="json")}
+        checked, chosen = train_inputs(groups, config, kwargs, "RemoteBackend.train")  # before anything is sent
+        body = {"groups": [group_to_wire(g) for g in checked], "config": chosen.model_dump(mode="json")}
         return await self._stream_step(model, "train", body, on_progress)
 
     async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
@@ -199,17 +196,8 @@ class RemoteBackend:
         """Supervised fine-tuning on the server (ART's `train_sft`), as `LocalBackend.train_sft` does it
         there: one optimizer step per batch, one checkpoint for the call, progress per batch. Input
         is checked here first, so a mistake fails before anything is sent, as it would locally."""
-        items = [Trajectory.model_validate(t) if isinstance(t, dict) else t for t in trajectories]
-        for i, item in enumerate(items):
-            if not isinstance(item, Trajectory):
-                raise TypeError(f"trajectories[{i}] is a {type(item).__name__}: train_sft takes art.Trajectory "
-                                "objects (or dicts of their fields)")
-        config = config or TrainSFTConfig()
-        if not isinstance(config, TrainSFTConfig):
-            raise TypeError(f"config is a {type(config).__name__}: pass art.TrainSFTConfig(...)")
-        if items:  # the schedule must fit the batches (LocalBackend's trainer raises the same ValueError)
-            config.learning_rates(-(-len(items) // config.resolved_batch_size))
-        body = {"trajectories": [trajectory_to_wire(t) for t in items], "config": config.model_dump(mode="json"),
+        items, chosen = sft_inputs(trajectories, config)
+        body = {"trajectories": [trajectory_to_wire(t) for t in items], "config": chosen.model_dump(mode="json"),
                 "dev_config": None if _config is None else dict(_config), "verbose": verbose}
         return await self._stream_step(model, "train_sft", body, on_progress)
 

@@ -215,7 +215,7 @@ class _Service:
             raise _wire_error("trajectories", exc) from None
         if trajectories:  # an empty call trains nothing (and checks nothing) on LocalBackend either
             try:
-                config.learning_rates(-(-len(trajectories) // config.resolved_batch_size))
+                config.schedule(len(trajectories))
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="learning_rate") from None  # the message names it
         return self._stream_step(model, "SFT", {"trajectories": len(trajectories)}, lambda on_progress: (

@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from art_nb import events, store
-from art_nb.backend import Backend
+from art_nb.backend import Backend, train_inputs
 from art_nb.config import TrainConfig
-from art_nb.porting import train_config
 from art_nb.records import as_groups, best_step, record_groups
 from art_nb.secrets import Secret, find_secret
 from art_nb.store import (
@@ -41,7 +40,7 @@ from art_nb.store import (
     checkpoint_steps,
     checkpoints_dir,
 )
-from art_nb.trajectories import Trajectory, TrajectoryGroup, gathered_groups
+from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 from art_nb.wire import RetryPolicy
 
@@ -162,17 +161,15 @@ class ServerlessBackend:
                     **kwargs: Any) -> TrainResult:
         """One step as a hosted training job. ART's `backend.train(model, groups, learning_rate=..., ...)`
         works unchanged (art_nb.porting maps its arguments onto TrainConfig)."""
-        if kwargs:
-            config = train_config(config, kwargs, "ServerlessBackend.train")
-        groups = gathered_groups(groups)  # checked before anything is written or sent
+        checked, chosen = train_inputs(groups, config, kwargs, "ServerlessBackend.train")  # before anything is written
         registered = self._registered(model)
         async with self._locks[(model.project, model.name)]:
             await self._finish_pending(model)
             step = await self._api.latest_step(registered.remote.id)
             # The rollouts are on disk before the job is submitted: a failed job loses nothing.
-            await asyncio.to_thread(record_groups, registered.store, model.name, "train", step, groups)
+            await asyncio.to_thread(record_groups, registered.store, model.name, "train", step, checked)
             key = uuid.uuid4().hex  # one key for every attempt: a lost response never makes a second job
-            job_id = await self._api.create_job(registered.remote.id, groups, config or TrainConfig(), key,
+            job_id = await self._api.create_job(registered.remote.id, checked, chosen, key,
                                                 f"train {model.name!r}")
             pending = {"id": job_id, "idempotency_key": key, "from_step": step, "created": time.time()}
             self._write_state(model, {**self._read_state(model), "pending_job": pending})
