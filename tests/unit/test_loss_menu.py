@@ -7,6 +7,7 @@ tokens, the second masking its third.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -155,3 +156,11 @@ def test_aliases_name_one_loss_each_and_port_to_it():
     for name, spec in LOSSES.items():
         for alias in spec.aliases:
             assert train_config(None, {"loss_type": alias}, "t").loss == name
+
+
+def test_the_docs_list_the_losses_of_the_table():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "losses.md").read_text()
+    listed = re.findall(r'^\| `"(\w+)"` \|', docs, flags=re.MULTILINE)
+    assert listed == list(LOSSES), f"docs/losses.md lists {listed}; art_nb.config.LOSSES has {list(LOSSES)}"
