@@ -81,6 +81,14 @@ def test_notebook_shape(path):
     assert any('split="val", step=0)' in source(c) for c in cells)
     # A base model set in the parameters gets a learning rate for its size before anything uses it.
     assert "LEARNING_RATE = defaults.learning_rate_for(BASE_MODEL, LEARNING_RATE)" in source(cells[2])
+    # Engine, trainer and dtype stay the plan's ("auto"): the choices cell shows the plan's picks and reasons
+    # for the config register gets, and register may fall back from vLLM on a T4 (only for the plan's choices).
+    assert "MODEL_CONFIG = defaults.model_config(max_seq_len=MAX_SEQ_LEN)" in source(cells[2])
+    assert "defaults.report(MODEL_CONFIG," in source(cells[2])
+    assert sum("config=MODEL_CONFIG," in source(c) for c in cells) == 1
+    keywords = {k.arg for c in cells for node in ast.walk(ast.parse(source(c))) if isinstance(node, ast.Call)
+                for k in node.keywords}
+    assert not keywords & {"engine", "trainer", "dtype"}, "the notebook sets what the plan should choose"
     assert any("keep_on_drive(ART_PATH) if KEEP_ON_DRIVE else ART_PATH" in source(c) for c in cells)
 
 
