@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from art_nb.config import LoraConfig, ModelConfig
 from art_nb.local.engines.base import GenerationRequest, SamplingParams
+from art_nb.local.engines.hf import model as hf_model
 from art_nb.local.engines.hf.engine import HFEngine
 from art_nb.local.plan.base_models import TINY_MODEL, resolve_base_model
 from art_nb.local.trainers.peft_trainer import PeftTrainer
@@ -78,8 +79,34 @@ def test_adapter_weights_are_a_private_copy_and_refuse_nonfinite_values(trainer:
             param.copy_(before)
 
 
+def test_both_loads_leave_the_adapter_in_the_same_layout(trainer: PeftTrainer, tmp_path: Path) -> None:
+    """Same dtype, shape, contiguity and 64-byte alignment, so the same kernels see the same memory.
+
+    safetensors maps a file's tensors at offsets its header leaves (8-byte aligned, here 40 bytes
+    past a 64-byte line); the handed-over tensors are views of one packed buffer. MKL's one-row
+    sgemm sums in an order that depends on the weight's alignment on some CPUs (AMD EPYC; Intel with
+    MKL_ENABLE_INSTRUCTIONS=SSE4_2), so there the two served logprobs that differed in the 6th digit
+    until the engine gave misaligned weights their own memory.
+    """
+    saved_by_peft(trainer, tmp_path / "files")
+    model, _ = hf_model.load(resolve_base_model(TINY_MODEL).path, torch.float32, torch.device("cpu"))
+    model = hf_model.with_adapter(model, "files", tmp_path / "files", torch.device("cpu"))
+    model = hf_model.with_adapter(model, "memory", trainer.adapter_weights(), torch.device("cpu"))
+    params = dict(model.named_parameters())
+    keys = [key for key in params if ".files." in key]
+    assert len(keys) == len(trainer.adapter_weights().tensors)
+    for key in keys:
+        files, memory = params[key], params[key.replace(".files.", ".memory.")]
+        assert (files.dtype, files.shape, files.stride()) == (memory.dtype, memory.shape, memory.stride()), key
+        assert files.is_contiguous() and torch.equal(files, memory), key
+        past_a_line = {name: t.data_ptr() % 64 for name, t in (("files", files), ("memory", memory))}
+        assert past_a_line == {"files": 0, "memory": 0}, f"{key}: bytes past a 64-byte line {past_a_line}"
+
+
 async def test_hf_engine_serves_handed_over_tensors_as_it_serves_the_files(trainer: PeftTrainer,
                                                                           tmp_path: Path) -> None:
+    """Bit-identical logprobs, not close ones: both loads hand the same kernels the same numbers in the
+    same layout (the test above), so any difference is a bug in one path, not rounding."""
     saved_by_peft(trainer, tmp_path / "files")
     weights = trainer.adapter_weights()
     engine = await HFEngine.create(resolve_base_model(TINY_MODEL).path, CONFIG)

@@ -76,6 +76,7 @@ def with_adapter(model: Any, name: str, source: Path | AdapterWeights, device: t
     usual random init of a slot about to be overwritten draws from torch's global generator, whose
     state the trainer's checkpoints keep, so a run resumed from disk (whose adapter is loaded from a
     directory) would sample and train differently from one never stopped (served from memory).
+    For the same reason both end with the weights in the same layout (`_aligned`).
     """
     from peft import PeftModel
 
@@ -88,7 +89,25 @@ def with_adapter(model: Any, name: str, source: Path | AdapterWeights, device: t
                                                   low_cpu_mem_usage=True)
         else:
             model = _inject(model, name, source)
+        _aligned(model, name)
         return model.to(device).eval()
+
+
+def _aligned(model: Any, name: str) -> None:
+    """Give each weight of adapter `name` that does not start on a 64-byte boundary its own
+    (aligned) memory, as every tensor torch allocates has.
+
+    Same numbers are not the same results: MKL's one-row sgemm (a decode step's LoRA matmuls) sums
+    in an order that depends on where the weight starts on some CPUs (AMD EPYC; an Intel CPU with
+    MKL_ENABLE_INSTRUCTIONS=SSE4_2), so a misaligned copy serves logprobs that differ in the 6th
+    digit. Weights read from a directory are views of the mapped file at the offsets its header
+    leaves (8-byte aligned); handed-over ones are views of one packed buffer, aligned when every
+    tensor before them fills whole 64-byte lines. Copying the others makes a run resumed from disk
+    serve, and so train, exactly as one never stopped.
+    """
+    for key, param in model.named_parameters():
+        if f".{name}." in key and param.data_ptr() % 64:
+            param.data = param.data.clone(memory_format=torch.contiguous_format)
 
 
 def _inject(model: Any, name: str, weights: AdapterWeights) -> Any:
