@@ -12,6 +12,12 @@ point, restarting it each time, then lets a last run finish. After every kill:
 At the end of a chain, the adapter is bit-identical to that of a run that was never killed: the
 optimizer state, the RNG state (LoRA dropout draws from it) and the dataset position all came back
 exactly. And each step trained on the same scenarios as the uninterrupted run.
+
+Bit-identical, not close, because both runs hand the same kernels the same inputs: every step on the
+plan's thread count whichever worker thread runs it (a sum split over 2 threads rounds differently
+from 1), and the served adapter in the same memory layout whether it was read from the checkpoint
+(the resumed run) or handed over (the uninterrupted one). On a CPU where MKL's kernels depend on
+either (AMD EPYC; Intel with MKL_ENABLE_INSTRUCTIONS=SSE4_2) a lapse showed as a 1e-5 difference.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -153,6 +154,24 @@ def test_the_float16_plan_trains_with_a_loss_scaler_that_survives_a_checkpoint(t
     resumed.load(tmp_path / "ckpt")
     assert resumed._scaler.get_scale() == 1024.0
     assert PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan("float32"))._scaler is None
+
+
+def test_a_step_runs_on_the_plans_threads_in_a_worker_that_had_torchs_default(tiny_dir):
+    """torch fixes a thread's count when it first runs a parallel op: a to_thread worker that built
+    the trainer before the engine set the count kept another. Steps then ran on 1 or 2 threads by
+    which worker took them, and a resumed run's adapter drifted from an uninterrupted one's."""
+    trainer = PeftTrainer(tiny_dir, tiny_model_config(), cpu_plan())  # cpu_threads=1
+    seen: list[int] = []
+
+    def in_a_worker_that_ran_torch_on_two_threads() -> dict:
+        torch.set_num_threads(2)
+        torch.ones(4).sum()
+        return trainer.train_step(groups(trainer.tokenizer), TrainConfig(learning_rate=1e-3),
+                                  on_progress=lambda _: seen.append(torch.get_num_threads()))
+
+    with ThreadPoolExecutor(1) as worker:
+        metrics = worker.submit(in_a_worker_that_ran_torch_on_two_threads).result()
+    assert metrics["trajectories"] == 4 and seen and set(seen) == {1}
 
 
 def test_before_update_runs_once_the_gradient_is_ready_and_false_abandons_the_step(tiny_dir):

@@ -138,6 +138,7 @@ class PeftTrainer:
                    on_progress: ProgressCallback | None = None,
                    before_update: Callable[[], bool] | None = None) -> dict[str, float]:
         """One GRPO update (see `Trainer.train_step`); on a GPU the step's memory is handed back after."""
+        self._use_plan_threads()
         try:
             return self._train_step(groups, config, should_stop, on_progress, before_update)
         finally:
@@ -185,6 +186,7 @@ class PeftTrainer:
         """
         from art_nb.grpo.sft import prepare_sft_batches, sft_step
 
+        self._use_plan_threads()
         batches = prepare_sft_batches(trajectories, self.tokenizer, config, self.config.max_seq_len)
         if self._sft_optimizer is None:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -213,6 +215,19 @@ class PeftTrainer:
             _log.warning("the SFT update left non-finite values in %s", bad)
             metrics.update(nonfinite_weights=1.0, skipped_nonfinite=1.0)
         return metrics
+
+    def _use_plan_threads(self) -> None:
+        """Run this step's torch ops on the plan's CPU thread count, in whichever thread calls the step.
+
+        torch fixes an OS thread's count the first time that thread runs a parallel op (plan/threads.py):
+        an `asyncio.to_thread` worker that built or loaded the trainer before the engine set the count
+        keeps torch's default (all cores), so steps ran on 1 or 2 threads depending on which worker
+        took them. A sum split over two threads rounds differently from one: on a CPU whose kernels
+        split by thread count (MKL_ENABLE_INSTRUCTIONS=SSE4_2 on Intel, or an AMD EPYC's MKL), a
+        resumed run drifted from one never stopped.
+        """
+        if self.plan.cpu_threads is not None and torch.get_num_threads() != self.plan.cpu_threads:
+            torch.set_num_threads(self.plan.cpu_threads)
 
     def _nonfinite_weight(self) -> str | None:
         """The name of a trainable parameter holding NaN/inf, or None (one device sync, not one per tensor)."""
