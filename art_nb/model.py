@@ -13,6 +13,7 @@ backend serves and trains with, `backend_config` (art_nb.porting says how).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import weakref
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from . import porting
 from .config import ModelConfig, TrainConfig
+from .records import UnknownMetricError
 from .sft_config import TrainSFTConfig
 from .trajectories import Trajectory, TrajectoryGroup
 from .types import check_name, inference_name
@@ -32,7 +34,10 @@ if TYPE_CHECKING:
     from .backend import Backend
     from .types import ProgressCallback, TrainResult
 
-__all__ = ["HandoffTarget", "Model", "TrainableModel"]
+__all__ = ["DEFAULT_BEST_METRIC", "HandoffTarget", "Model", "TrainableModel"]
+
+DEFAULT_BEST_METRIC = "val/reward"  # ART's `delete_checkpoints` default
+_log = logging.getLogger("art_nb")
 
 
 class HandoffTarget(Protocol):
@@ -276,19 +281,28 @@ class TrainableModel(Model):
 
     async def delete_checkpoints(
         self,
-        best_checkpoint_metric: str | Iterable[int] | None = "val/reward",
+        best_checkpoint_metric: str | Iterable[int] | None = None,
         *,
         steps: Iterable[int] | None = None,
         keep_last: int | None = None,
     ) -> list[int]:
         """Delete every checkpoint but the served one and the best by `best_checkpoint_metric` (ART's
-        rule: the step whose mean of that history metric is highest; none kept for it if no step has
-        it). art_nb's older forms: `steps=[...]` deletes those, `keep_last=n` keeps the newest n.
-        The served step is always kept. Returns the steps deleted.
+        rule: the step whose mean of that history metric is highest). A metric no logged step has
+        is refused (`UnknownMetricError`, naming the metrics there are: a typo must not delete the
+        best step), except ART's default: with none given, "val/reward", and when no step has
+        it, ART's fallback, a warning and only the served step kept. art_nb's older forms:
+        `steps=[...]` deletes those, `keep_last=n` keeps the newest n. The served step is always
+        kept. Returns the steps deleted.
         """
         if best_checkpoint_metric is not None and not isinstance(best_checkpoint_metric, str):
             steps = best_checkpoint_metric  # art_nb's older positional `steps`
         if steps is not None or keep_last is not None:
             return await self.backend.delete_checkpoints(self, steps, keep_last=keep_last or 1)
-        metric = best_checkpoint_metric if isinstance(best_checkpoint_metric, str) else "val/reward"
-        return await self.backend.delete_checkpoints(self, None, keep_last=1, best_metric=metric)
+        if isinstance(best_checkpoint_metric, str):
+            return await self.backend.delete_checkpoints(self, None, keep_last=1, best_metric=best_checkpoint_metric)
+        try:
+            return await self.backend.delete_checkpoints(self, None, keep_last=1, best_metric=DEFAULT_BEST_METRIC)
+        except UnknownMetricError as exc:
+            _log.warning("delete_checkpoints() with ART's default metric: %s. As ART does then, every checkpoint "
+                         "but the served one is deleted", str(exc).replace("; nothing was deleted", ""))
+            return await self.backend.delete_checkpoints(self, None, keep_last=1)

@@ -7,6 +7,7 @@ files a dashboard reads look the same whichever backend trained the model.
 
 from __future__ import annotations
 
+import difflib
 import math
 import sys
 import time
@@ -16,8 +17,8 @@ from . import events
 from .store import ModelStore
 from .trajectories import Choice, Trajectory, TrajectoryGroup
 
-__all__ = ["UNTRAINABLE_FIX", "as_groups", "best_step", "check_trainable", "has_choice", "mean_and_std", "record_groups",
-           "record_metrics", "summarize", "trajectory_record", "unrecorded"]
+__all__ = ["UNTRAINABLE_FIX", "UnknownMetricError", "as_groups", "best_step", "check_trainable", "has_choice",
+           "mean_and_std", "record_groups", "record_metrics", "summarize", "trajectory_record", "unrecorded"]
 
 UNTRAINABLE_FIX = "keep the Choice the endpoint returned in messages_and_choices"
 """How to fix a trajectory with 0 trainable tokens: only a `Choice` carries sampled tokens; an
@@ -146,16 +147,35 @@ def unrecorded(metrics: dict[str, float], recorded: dict[str, float]) -> dict[st
     return {key: value for key, value in metrics.items() if key not in recorded or recorded[key] != value}
 
 
-def best_step(history: list[dict[str, Any]], metric: str) -> int | None:
-    """The step whose mean of history `metric` (e.g. "val/reward") is highest; None if no line has it.
-    Ties go to the later step, as ART's sort-then-last does."""
+class UnknownMetricError(ValueError):
+    """`delete_checkpoints(best_metric=...)` named a metric no logged step has a value of: no step would be
+    kept as the best, so a typo ("val/rewrad") would delete the best checkpoint. Nothing was deleted."""
+
+
+def best_step(history: list[dict[str, Any]], metric: str) -> int:
+    """The step whose mean of history `metric` (e.g. "val/reward") is highest. Ties go to the later step,
+    as ART's sort-then-last does. `UnknownMetricError`, naming the metrics the history has, when no
+    step has a finite value of it. Every backend's `delete_checkpoints` decides through this."""
     values: dict[int, list[float]] = {}
     for line in history:
         value = line.get(metric)
         if isinstance(value, (int, float)) and math.isfinite(value) and isinstance(line.get("step"), int):
             values.setdefault(line["step"], []).append(float(value))
     means = {step: sum(v) / len(v) for step, v in values.items()}
-    return max(means, key=lambda step: (means[step], step)) if means else None
+    if not means:
+        raise UnknownMetricError(_no_such_metric(history, metric))
+    return max(means, key=lambda step: (means[step], step))
+
+
+def _no_such_metric(history: list[dict[str, Any]], metric: str, shown: int = 30) -> str:
+    known = sorted({key for line in history for key, value in line.items()
+                    if key not in ("step", "split", "time") and isinstance(value, (int, float))})
+    close = difflib.get_close_matches(metric, known, n=1)
+    listed = ", ".join(map(repr, known[:shown])) + (f" and {len(known) - shown} more" if len(known) > shown else "")
+    return (f"best_metric {metric[:200]!r}: no logged step has a value of it"
+            f"{f' (did you mean {close[0]!r}?)' if close else ''}, so no checkpoint would be kept as the best; "
+            f"nothing was deleted. Metrics in the history: {listed or 'none yet'} (`model.log(groups, split=...)` "
+            "writes them as split/metric)")
 
 
 def record_metrics(store: ModelStore, split: str, step: int, metrics: dict[str, float]) -> None:

@@ -15,11 +15,15 @@ moment leaves either the complete checkpoint or none: "latest" is never half-wri
 hands its adapter to the engine in memory and writes the whole checkpoint in the background, so a
 crash in that window leaves the previous step as the latest. Leftover temporaries from a crash are
 removed on the next open. Names are checked so nothing is ever written
-outside the model directory.
+outside the model directory, and links are never followed out of it: every directory the store
+creates or writes in is a real directory (not a symbolic link), every file it writes in place (the
+writer lock, the logs) is opened with O_NOFOLLOW and must be a regular file with no other hard link,
+and a checkpoint's files are handed to a client only under the same rules (`art_nb.nofollow`). A
+planted link is a `StorePathError` naming it, never a write or a read somewhere else.
 
 Logs are append-only JSON lines, fsynced per append. A crash mid-append can leave a torn last line;
 the next append starts on a new line, so the torn fragment never swallows a later record, and
-readers skip lines that do not parse.
+readers skip lines that do not parse (or are not UTF-8), with a warning naming the file and line.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -35,6 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .nofollow import StorePathError, open_regular, real_dirs
 from .types import check_name
 
 __all__ = [
@@ -46,6 +52,7 @@ __all__ = [
     "TRAJECTORIES_DIR",
     "CheckpointError",
     "StoreLockedError",
+    "StorePathError",
     "HISTORY_FILE",
     "META_FILE",
     "ModelStore",
@@ -79,6 +86,8 @@ RECORD_PARTS = {"checkpoints": (f"{CHECKPOINTS_DIR}/",), "trajectories": (f"{TRA
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _STEP_FILE = re.compile(r"^(\d{4,})\.jsonl$")
 _TMP_PREFIX = ".tmp-"
+_log = logging.getLogger("art_nb")
+_warned: set[tuple[str, int, int]] = set()  # damaged log lines already reported (readers re-read often)
 
 
 class CheckpointError(RuntimeError):
@@ -126,10 +135,12 @@ def staging_path(directory: Path, label: str) -> Path:
 
 
 def checkpoint_steps(checkpoints: Path) -> list[int]:
-    """Steps with a complete checkpoint under a `checkpoints/` directory, ascending ([] if it is missing)."""
+    """Steps with a complete checkpoint under a `checkpoints/` directory, ascending ([] if it is missing).
+    A step directory that is a symbolic link is not a checkpoint (it may lead anywhere)."""
     if not checkpoints.is_dir():
         return []
-    return sorted(int(p.name) for p in checkpoints.iterdir() if _STEP_DIR.match(p.name) and p.is_dir())
+    return sorted(int(p.name) for p in checkpoints.iterdir()
+                  if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink())
 
 
 def checkpoint_path(checkpoints: Path, step: int) -> Path:
@@ -154,16 +165,34 @@ def trajectory_files(model_dir: Path) -> list[tuple[str, int, Path]]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines log; a line cut short by a crash is skipped, a missing file is []."""
+    """The records (JSON objects) of a JSON-lines log; a missing file is [].
+
+    A line that is not a JSON object in UTF-8 (cut short by a crash mid-write, or damaged by hand:
+    one latin-1 byte made the whole history unreadable) is skipped with a warning naming the file
+    and the line, once per damaged line however often the log is read.
+    """
     if not path.exists():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a crash mid-write
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            _warn_damaged(path, number, raw, exc)
             continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            _warn_damaged(path, number, raw, TypeError(f"a JSON {type(record).__name__}, not an object"))
     return records
+
+
+def _warn_damaged(path: Path, number: int, raw: bytes, problem: Exception) -> None:
+    key = (str(path), number, hash(raw))
+    if raw.strip() and key not in _warned:
+        _warned.add(key)
+        _log.warning("%s line %d is skipped, it is not a JSON object in UTF-8 (%s: %s): %r", path, number,
+                     type(problem).__name__, str(problem)[:120], raw[:80])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -182,9 +211,15 @@ class ModelStore:
 
     def __init__(self, root: str | os.PathLike[str], project: str, name: str) -> None:
         self.dir = model_dir(root, project, name)
+        self.root = self.dir.parents[2]
+        self.root.mkdir(parents=True, exist_ok=True)
+        real_dirs(self.root, project, "models", name, "checkpoints")
         self.checkpoints = self.dir / "checkpoints"
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
         self._lock_fd: int | None = None
+
+    def _shown(self, path: Path) -> str:
+        """`path` as messages name it: from the root (`--path`) down, which a client may see."""
+        return str(path.relative_to(self.root))
 
     # ---- one writer per model directory ------------------------------------------------------
 
@@ -200,14 +235,16 @@ class ModelStore:
         if self._lock_fd is not None:
             return
         path = self.dir / ".writer.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT, self._shown(path))  # never truncate through a link
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            who = (f"this process (pid {holder}: a backend here has this model registered; close it first)"
+                   if holder == str(os.getpid()) else f"another process (pid {holder})")
             raise StoreLockedError(
-                f"{self.dir} is being written by another process (pid {holder}): two writers would train from "
+                f"{self.dir} is being written by {who}: two writers would train from "
                 "stale steps and overwrite each other's checkpoints. Stop that one (or its notebook kernel), or "
                 "use another path or model name"
             ) from None
@@ -225,7 +262,7 @@ class ModelStore:
 
     def _remove_temporaries(self) -> None:
         for tmp in self.checkpoints.glob(f"{_TMP_PREFIX}*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
@@ -258,7 +295,7 @@ class ModelStore:
                 old = self.checkpoints / f"{_TMP_PREFIX}old-{step:04d}-{time.monotonic_ns()}"
                 final.rename(old)
                 tmp.rename(final)
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
             else:
                 tmp.rename(final)
             _fsync_dir(self.checkpoints)
@@ -291,22 +328,23 @@ class ModelStore:
             if path.is_dir():
                 trash = self.checkpoints / f"{_TMP_PREFIX}del-{step:04d}-{time.monotonic_ns()}"
                 path.rename(trash)  # atomic disappearance, then the slow delete
-                shutil.rmtree(trash, ignore_errors=True)
+                _remove(trash)
                 deleted.append(step)
         return deleted
 
     # ---- logs --------------------------------------------------------------------------------
 
-    @staticmethod
-    def _append_lines(path: Path, records: Iterable[dict[str, Any]]) -> None:
-        text = "".join(json.dumps(record, default=str, allow_nan=True) + "\n" for record in records)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as handle:
-            if handle.tell() > 0 and not _ends_with_newline(path):
-                text = "\n" + text  # a crash cut the last line short: keep it apart from this record
-            handle.write(text.encode("utf-8"))
+    def _append_lines(self, path: Path, records: Iterable[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(record, default=str, allow_nan=True) + "\n" for record in records).encode("utf-8")
+        real_dirs(self.root, *path.parent.relative_to(self.root).parts)
+        fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, self._shown(path))
+        with os.fdopen(fd, "ab") as handle:
+            size = os.fstat(fd).st_size
+            if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # a crash cut the last line short: keep it apart from this record
+            handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            os.fsync(fd)
 
     def append_history(self, record: dict[str, Any]) -> None:
         self._append_lines(self.dir / HISTORY_FILE, [record])
@@ -339,7 +377,9 @@ def write_adapter(directory: Path, tensors: dict[str, Any], config: dict[str, An
     (directory / ADAPTER_FILES[1]).write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        handle.seek(-1, os.SEEK_END)
-        return handle.read(1) == b"\n"
+def _remove(path: Path) -> None:
+    """Remove a store's temporary: a link is unlinked, never followed (rmtree refuses links, silently here)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)

@@ -41,6 +41,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -49,7 +50,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -59,6 +60,8 @@ from art_nb.backend import Backend
 from art_nb.config import ModelConfig, TrainConfig
 from art_nb.local.server.schema import validation_error
 from art_nb.model import TrainableModel
+from art_nb.nofollow import StorePathError, open_servable, servable_files
+from art_nb.records import UnknownMetricError
 from art_nb.secrets import Secret
 from art_nb.sft_config import TrainSFTConfig
 from art_nb.store import checkpoint_steps, checkpoints_dir
@@ -83,6 +86,7 @@ HEARTBEAT_S = 5.0  # a train stream's line at least this often: far under every 
 TRAIN_MAX_BODY = 32 * MB
 CHAT_MAX_BODY = 8 * MB
 B = TypeVar("B", bound=BaseModel)
+T = TypeVar("T")
 _TOKEN_HINT = "send 'Authorization: Bearer <token>' (the token `art-nb serve` printed at start)"
 _log = logging.getLogger("art_nb")
 
@@ -111,12 +115,13 @@ class _RequireVersion:
         await self.app(scope, receive, send)
 
 
-def _file_entry(path: Path) -> dict[str, Any]:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+def _file_entry(path: Path, within: Path) -> dict[str, Any]:
+    digest, size = hashlib.sha256(), 0
+    with open_servable(path.parent, path.name, within) as handle:  # never through a link
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
-    return {"name": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+            size += len(chunk)
+    return {"name": path.name, "size": size, "sha256": digest.hexdigest()}
 
 
 def _line(item: dict[str, Any]) -> bytes:
@@ -304,30 +309,54 @@ class _Service:
     async def delete(self, request: Request) -> JSONResponse:
         model = self.model(request)
         body = await _body(request, DeleteBody)
-        deleted = await self.backend.delete_checkpoints(model, body.steps, keep_last=body.keep_last,
-                                                        best_metric=body.best_metric)
+        try:
+            deleted = await self.backend.delete_checkpoints(model, body.steps, keep_last=body.keep_last,
+                                                            best_metric=body.best_metric)
+        except UnknownMetricError as exc:  # a typo must not delete the best step: nothing was deleted
+            raise ApiError(400, str(exc), "unknown_metric", param="best_metric") from None
         return JSONResponse({"deleted": deleted})
 
-    async def _checkpoint(self, request: Request) -> Path:
+    async def _checkpoint(self, request: Request) -> tuple[Path, Path]:
+        """The directory of the requested checkpoint, and the model directory it must stay inside."""
         model = self.model(request)
         await self.backend.wait_for_checkpoint(model)
         step = int(request.path_params["step"])
         if step not in self._steps(model):
             raise ApiError(404, f"model {model.name!r} has no checkpoint {step}", "checkpoint_not_found")
-        return self.backend.checkpoint_dir(model, step)
+        return self.backend.checkpoint_dir(model, step), self.backend.model_dir(model)
 
     async def files(self, request: Request) -> JSONResponse:
-        directory = await self._checkpoint(request)
-        paths = sorted(p for p in directory.iterdir() if p.is_file())
-        return JSONResponse({"files": await asyncio.to_thread(lambda: [_file_entry(p) for p in paths])})
+        directory, within = await self._checkpoint(request)
+
+        def entries() -> list[dict[str, Any]]:  # no link, nothing outside the model directory
+            return [_file_entry(p, within) for p in servable_files(directory, within)]
+
+        return JSONResponse({"files": await _servable(entries)})
 
     async def file(self, request: Request) -> Response:
-        directory = await self._checkpoint(request)
-        name = request.path_params["file"]
-        # Only names listed in the directory: nothing outside it can be asked for.
-        if name not in {p.name for p in directory.iterdir() if p.is_file()}:
-            raise ApiError(404, f"checkpoint has no file {name!r}", "file_not_found")
-        return FileResponse(directory / name, media_type="application/octet-stream")
+        directory, within = await self._checkpoint(request)
+        handle = await _servable(lambda: open_servable(directory, request.path_params["file"], within))
+        size = os.fstat(handle.fileno()).st_size
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with handle:  # at most the size announced, even if the file grows meanwhile
+                left = size
+                while left > 0 and (chunk := await asyncio.to_thread(handle.read, min(left, 1 << 20))):
+                    left -= len(chunk)
+                    yield chunk
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream", headers={"content-length": str(size)})
+
+
+async def _servable(read: Callable[[], T]) -> T:
+    """`read()` off the loop; a file not handed out (a link, a file with other names) is a 404 as if absent."""
+    try:
+        return await asyncio.to_thread(read)
+    except FileNotFoundError as exc:
+        raise ApiError(404, f"checkpoint has no file {str(exc)[:200]!r}", "file_not_found") from None
+    except StorePathError as exc:
+        _log.warning("not served: %s", exc)
+        raise ApiError(404, f"not served: {exc}", "file_not_found") from None
 
 
 def _looks_like_path(name: str) -> bool:

@@ -12,7 +12,7 @@ from openai.types.chat.chat_completion import Choice
 
 import art_nb as art
 from art_nb import events
-from art_nb.records import best_step, record_groups, unrecorded
+from art_nb.records import UnknownMetricError, best_step, record_groups, unrecorded
 from art_nb.store import ModelStore
 from art_nb.trajectories import History, RolloutException
 from art_nb.utils import iterate_dataset, limit_concurrency, retry, strip_logprobs
@@ -258,7 +258,13 @@ def test_best_step_is_the_highest_mean_later_on_ties():
     history = [{"step": 0, "val/reward": 0.2}, {"step": 0, "val/reward": 0.6}, {"step": 1, "val/reward": 0.3},
                {"step": 2, "train/reward": 9.0}, {"step": 3, "val/reward": 0.4}, {"step": 4, "val/reward": float("nan")}]
     assert best_step(history, "val/reward") == 3  # means: 0 -> 0.4, 1 -> 0.3, 3 -> 0.4 (ties: the later)
-    assert best_step(history, "val/correct") is None
+    with pytest.raises(UnknownMetricError, match="'val/correct': no logged step has a value of it, .*nothing was "
+                                                 "deleted. Metrics in the history: 'train/reward', 'val/reward'"):
+        best_step(history, "val/correct")
+    with pytest.raises(UnknownMetricError, match="did you mean 'val/reward'"):
+        best_step(history, "val/rewrad")
+    with pytest.raises(UnknownMetricError, match="none yet"):
+        best_step([], "val/reward")
 
 
 def test_unknown_art_train_knobs_are_warned_once(recwarn):

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 import art_nb as art
 from art_nb.porting import model_config, train_config
+from art_nb.records import UnknownMetricError
 from art_nb.types import InferenceEndpoint, TrainResult
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -179,6 +180,34 @@ async def test_delete_checkpoints_forms():
     await model.delete_checkpoints(keep_last=2)
     assert [c[1] for c in backend.calls if c[0] == "delete"] == [
         (None, 1, "val/reward"), (None, 1, "train/reward"), ([1, 2], 1, None), ([3], 1, None), (None, 2, None)]
+
+
+async def test_a_metric_nobody_logged_is_refused_but_arts_default_falls_back_with_a_warning(caplog):
+    """ART's `delete_checkpoints()` prints that val/reward is missing and keeps only the latest; a metric
+    named by the caller that no step has is a typo and deletes nothing (`UnknownMetricError`)."""
+
+    class NoValBackend(StubBackend):
+        async def delete_checkpoints(self, model: Any, steps: Any = None, keep_last: int = 1, *,
+                                     best_metric: str | None = None) -> list[int]:
+            if best_metric is not None:
+                raise UnknownMetricError(f"best_metric {best_metric!r}: no logged step has a value of it, so no "
+                                         "checkpoint would be kept as the best; nothing was deleted. Metrics in "
+                                         "the history: 'train/reward'")
+            return await super().delete_checkpoints(model, steps, keep_last)
+
+    backend = NoValBackend()
+    model = art.TrainableModel(name="agent", base_model=BASE)
+    await model.register(backend)
+    with pytest.raises(UnknownMetricError, match="val/rewrad"):
+        await model.delete_checkpoints("val/rewrad")
+    with pytest.raises(UnknownMetricError):
+        await model.delete_checkpoints("val/reward")  # named: the caller meant it
+    assert not [c for c in backend.calls if c[0] == "delete"]
+    with caplog.at_level("WARNING", logger="art_nb"):
+        await model.delete_checkpoints()
+    assert [c[1] for c in backend.calls if c[0] == "delete"] == [(None, 1, None)]
+    assert "ART's default metric" in caplog.text and "'train/reward'" in caplog.text
+    assert "every checkpoint but the served one is deleted" in caplog.text and "nothing was deleted" not in caplog.text
 
 
 def test_rewards_mcp_langgraph_import_and_name_what_is_missing():

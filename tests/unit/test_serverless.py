@@ -13,6 +13,7 @@ from fakes.wandb_server import FakeArtifacts, FakeWandbServer
 
 import art_nb as art
 from art_nb import events
+from art_nb.records import UnknownMetricError
 from art_nb.secrets import MissingSecretError
 from art_nb.serverless import ServerlessBackend, ServerlessError, TrainingJobFailed
 from art_nb.wire import RetryPolicy
@@ -156,6 +157,19 @@ async def test_delete_checkpoints_keeps_the_latest(fake, tmp_path, chatml_tokeni
     assert fake.calls("DELETE", "/v1/preview/models/")[0]["body"] == {"steps": [1, 2]}
     assert await model.backend.list_checkpoints(model) == [3]
     assert await model.delete_checkpoints(steps=[3]) == []  # the served step stays
+
+
+async def test_delete_by_a_metric_no_step_has_is_refused_and_deletes_nothing(fake, tmp_path, chatml_tokenizer):
+    """The same rule as LocalBackend's (both decide through records.best_step): a typo deletes nothing."""
+    model = make_model()
+    await model.register(backend_for(fake, tmp_path))
+    for _ in range(3):
+        await model.train(make_groups(chatml_tokenizer, 1, 2))
+    await model.log(make_groups(chatml_tokenizer), split="val")
+    with pytest.raises(UnknownMetricError, match="did you mean 'val/reward'"):
+        await model.delete_checkpoints("val/rewrad")
+    assert not fake.calls("DELETE", "/v1/preview/models/")
+    assert await model.backend.list_checkpoints(model) == [1, 2, 3]
 
 
 async def test_log_stays_local_and_goes_to_the_service(fake, tmp_path, chatml_tokenizer):
