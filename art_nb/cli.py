@@ -25,14 +25,18 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("serve", help="run the backend behind an HTTP API for RemoteBackend clients")
-    parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (other hosts require a token)")
+    parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (only this machine can connect)")
     parser.add_argument("--port", type=int, default=8000, help="default: 8000 (0 picks a free port)")
     parser.add_argument("--path", default=".art", help="where checkpoints and logs go; default: .art")
     parser.add_argument("--token-file", default=None, metavar="PATH",
-                        help="read the bearer token from PATH (default: $ART_NB_SERVE_TOKEN, else generated and "
-                        "printed once when the host is not loopback); 16 characters at least off loopback")
-    parser.add_argument("--token", default=None, help="the token itself (discouraged: every local user can read "
-                        "it in the process list; use --token-file or $ART_NB_SERVE_TOKEN)")
+                        help="read the bearer token from PATH (default: $ART_NB_SERVE_TOKEN, else generated, printed "
+                        "once and saved for RemoteBackend on this machine under ~/.config/art-nb, mode 600); "
+                        "16 characters at least off loopback")
+    parser.add_argument("--no-token", action="store_true",
+                        help="no auth: every account on this machine can then download, delete and train "
+                        "(loopback only)")
+    # Refused, with the way to pass a token: a command line is readable by every local user.
+    parser.add_argument("--token", nargs="?", const="", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--allowed-origin", dest="allowed_origins", action="append", default=[], metavar="ORIGIN",
                         help="a browser origin allowed to call the server cross-site, e.g. http://localhost:8888 "
                         "for a JupyterLab on another port (repeatable; default: none)")
@@ -55,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from .remote.serve import TOKEN_ENV, serve
 
-        if args.token is not None:
-            print(f"art-nb serve: warning: --token puts the token in the process list, where every user of this "
-                  f"machine can read it; pass it with --token-file PATH or the {TOKEN_ENV} environment variable",
-                  file=sys.stderr)
+        if args.token is not None:  # never echoed: it is already on display in the process list
+            parser.error(f"--token is refused: every user of this machine can read a command line (ps, "
+                         f"/proc/<pid>/cmdline), and so the token. Put it in a file only you can read and pass "
+                         f"--token-file PATH, or set the {TOKEN_ENV} environment variable; with neither, a token "
+                         "is generated and printed once")
         try:
-            serve(args.host, args.port, args.path, args.token, token_file=args.token_file,
+            serve(args.host, args.port, args.path, token_file=args.token_file, no_token=args.no_token,
                   allowed_origins=args.allowed_origins, allow_local_models=args.allow_local_models)
-        except ValueError as exc:  # a token that cannot be read or is too short: nothing was started
+        except ValueError as exc:  # a token that cannot be read, too short, or --no-token off loopback
             parser.error(str(exc))
         return 0
     parser.error(f"unknown command {args.command}")

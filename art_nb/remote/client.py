@@ -47,6 +47,7 @@ from ..wire import (
     trajectory_to_wire,
     version_mismatch,
 )
+from .tokens import loopback_token
 
 __all__ = ["API_KEY_ENV", "RemoteBackend", "RemoteBackendError", "RemoteTrainingError"]
 
@@ -81,7 +82,7 @@ class RemoteBackend:
         self.timeout = timeout  # connect/write/pool, and reads of ordinary requests
         self.read_timeout = read_timeout  # silence tolerated on a stream (the server beats every 5 s)
         self.retry = retry or RetryPolicy(attempts=4, base_delay=0.5, max_delay=5.0)
-        self._key = find_secret(api_key, name=API_KEY_ENV, required=False)
+        self._key = find_secret(api_key, name=API_KEY_ENV, required=False) or loopback_token(self.base_url)
         self._clients = LoopClients(self._new_client)
         self._choices: dict[str, dict[str, str]] = {}
 

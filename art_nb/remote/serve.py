@@ -1,19 +1,19 @@
 """`art-nb serve` as a process: where the token comes from, and running the app of `serve_app`
 (the routes, and everything they check) on a `LocalBackend` until SIGINT/SIGTERM.
 
-The token, the one thing between the network and the GPU when the server is not bound to loopback,
-is read from `--token-file PATH` or the environment variable `ART_NB_SERVE_TOKEN` (a Colab secret of
-that name works too). `--token VALUE` still works, but every local user can read a command line in
-the process list, so the CLI warns. Off loopback a token must have 16 characters at least; without
-one, a strong one is generated and printed once. On loopback no token is needed: only this machine
-can connect, and `RequestGuard` keeps web pages out (DNS rebinding, cross-site requests).
+The token, the one thing between the GPU and the network or the other accounts of this machine, is
+read from `--token-file PATH` or the environment variable `ART_NB_SERVE_TOKEN` (a Colab secret of
+that name works too), never from the command line (every local user can read it in
+/proc/<pid>/cmdline; the CLI refuses `--token`). Without one, a strong one is generated, printed
+once and saved where `RemoteBackend` on this machine finds it (`art_nb.remote.tokens`); `--no-token`
+turns auth off, on loopback only (`RequestGuard` still keeps web pages out: DNS rebinding,
+cross-site requests). Off loopback a token must have 16 characters at least.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import signal
 import stat
 import threading
@@ -26,6 +26,7 @@ from art_nb.secrets import Secret, find_secret
 from art_nb.web import is_loopback
 
 from .serve_app import ServedBackend, create_serve_app
+from .tokens import generate_token, load_token, save_token
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -57,17 +58,23 @@ def read_token_file(path: str | os.PathLike[str], warn: Callable[[str], None] | 
     return Secret(text.strip(), f"token file {path}")
 
 
-def _resolve_token(host: str, token: str | None, announce: Callable[[str], None], *,
-                   token_file: str | os.PathLike[str] | None = None) -> Secret | None:
-    """The server's token: `token_file`, else `token`, else $ART_NB_SERVE_TOKEN; generated off loopback."""
+def _resolve_token(host: str, token: str | Secret | None, announce: Callable[[str], None], *,
+                   token_file: str | os.PathLike[str] | None = None, no_token: bool = False,
+                   port: int = 0) -> Secret | None:
+    """The server's token: `token_file`, else `token` (Python callers), else $ART_NB_SERVE_TOKEN, else
+    the one saved for `port` by an earlier start, else a new one (source "generated": `serve` saves
+    and prints it once bound). None only with `no_token`, which loopback alone may have."""
     secret = read_token_file(token_file, announce) if token_file is not None else None
     secret = secret or find_secret(token, name=TOKEN_ENV, required=False)
-    if secret is None and not is_loopback(host):
-        value = secrets.token_urlsafe(32)
-        secret = Secret(value, "generated")
-        # Shown once, on the operator's terminal: the only place it is ever printed.
-        announce(f"art-nb serve: no token given; generated one (shown once): {value}")
-    if secret is not None and not is_loopback(host) and len(secret.reveal()) < MIN_TOKEN_CHARS:
+    if no_token:
+        if not is_loopback(host):
+            raise ValueError(f"--no-token is for loopback only: bound to {host}, anyone who can reach this machine "
+                             "could download, delete and train; drop --no-token (a token is generated)")
+        if secret is not None:
+            raise ValueError(f"--no-token contradicts the token from {secret.source}: drop one of them")
+        return None
+    secret = secret or (load_token(port) if port else None) or generate_token()
+    if not is_loopback(host) and len(secret.reveal()) < MIN_TOKEN_CHARS:
         raise ValueError(
             f"the token from {secret.source} is too short for a server reachable from other machines ({host}): "
             f"use at least {MIN_TOKEN_CHARS} characters, e.g. generate one with {GENERATE_TOKEN}")
@@ -75,18 +82,20 @@ def _resolve_token(host: str, token: str | None, announce: Callable[[str], None]
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, path: str | os.PathLike[str] = ".art",
-          token: str | None = None, *, token_file: str | os.PathLike[str] | None = None,
-          allowed_origins: Iterable[str] = (), allow_local_models: bool = False,
+          token: str | Secret | None = None, *, token_file: str | os.PathLike[str] | None = None,
+          no_token: bool = False, allowed_origins: Iterable[str] = (), allow_local_models: bool = False,
           announce: Callable[[str], None] = print) -> None:
     """Run the server until SIGINT/SIGTERM. The engine and the app share the backend's event loop.
 
-    Raises ValueError (before anything starts) for a token that cannot be read or is too short.
+    Raises ValueError (before anything starts) for a token that cannot be read or is too short, or
+    `no_token` off loopback.
     """
+    secret = _resolve_token(host, token, announce, token_file=token_file, no_token=no_token, port=port)
+
     from art_nb.local import LocalBackend
     from art_nb.local.plan.base_models import resolve_base_model
     from art_nb.local.server import start_server
 
-    secret = _resolve_token(host, token, announce, token_file=token_file)
     backend: LocalBackend = LocalBackend(path)
 
     async def start() -> tuple[RunningServer, Starlette]:
@@ -97,7 +106,9 @@ def serve(host: str = "127.0.0.1", port: int = 8000, path: str | os.PathLike[str
         return await start_server(app, host=host, port=port), app
 
     server, app = backend.loop.run_sync(start())
-    auth = f"token from {secret.source}" if secret else "no auth (loopback only)"
+    if secret is not None and secret.source == "generated":
+        _announce_generated(secret, server.port, announce)
+    auth = f"token from {secret.source}" if secret else "no auth (--no-token, loopback only)"
     announce(f"art-nb serve {__version__}: listening on http://{host}:{server.port} "
              f"(OpenAI endpoint at /v1; checkpoints under {backend.path}; {auth})")
     stop = threading.Event()
@@ -110,6 +121,19 @@ def serve(host: str = "127.0.0.1", port: int = 8000, path: str | os.PathLike[str
             signal.signal(sig, handler)
         announce("art-nb serve: stopping (a step in progress is finished first)")
         backend.loop.run_sync(_drain(backend, server, app.state.service), timeout=3600)
+
+
+def _announce_generated(secret: Secret, port: int, announce: Callable[[str], None]) -> None:
+    """Save a generated token for `port` and show it: once, on the operator's terminal, the only place
+    it is ever printed."""
+    try:
+        saved = save_token(secret, port)
+        where = f"saved to {saved} (only you can read it), where RemoteBackend on this machine finds it"
+    except OSError as exc:
+        where = f"not saved ({exc.strerror}): pass it to RemoteBackend yourself"
+    announce(f"art-nb serve: no token given; generated one (shown once): {secret.reveal()}\n  {where}; "
+             f"another machine passes it as RemoteBackend(..., api_key=...) or $ART_NB_API_KEY; "
+             "`--no-token` turns auth off (loopback only)")
 
 
 async def _drain(backend: LocalBackend, server: RunningServer, service: _Service) -> None:

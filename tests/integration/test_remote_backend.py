@@ -33,10 +33,13 @@ class ServeProcess:
 
     def __init__(self, path: Path, port: int = 0, token_args: list[str] | None = None,
                  env: dict[str, str] | None = None) -> None:
+        # The token from the environment unless the caller says otherwise (never on the command line,
+        # where every local user can read it: the CLI refuses --token).
         args = [sys.executable, "-m", "art_nb.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--path", str(path), *(token_args if token_args is not None else ["--token", TOKEN])]
+                "--path", str(path), *(token_args or [])]
+        token_env = {} if token_args else {"ART_NB_SERVE_TOKEN": TOKEN}
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **token_env, **(env or {})})
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
@@ -204,7 +207,7 @@ async def test_after_a_crash_and_restart_the_client_resumes_at_the_latest_step(s
     with pytest.raises(RemoteBackendError, match="cannot reach the art-nb server.*re-run `await model.register"):
         await model.get_step()
     port = int(process.url.rsplit(":", 1)[1])
-    restarted = ServeProcess(path, port=port, token_args=[], env={"ART_NB_SERVE_TOKEN": TOKEN})
+    restarted = ServeProcess(path, port=port)  # the token from ART_NB_SERVE_TOKEN this time
     try:
         with pytest.raises(RemoteBackendError, match="not registered on this server"):
             await model.get_step()

@@ -24,6 +24,7 @@ from art_nb.remote import client as remote_module
 from art_nb.remote import serve as serve_module
 from art_nb.remote.client import RemoteBackend, RemoteBackendError, RemoteTrainingError
 from art_nb.remote.serve import _resolve_token, create_serve_app, is_loopback
+from art_nb.remote.tokens import loopback_token, save_token, token_path
 from art_nb.secrets import Secret
 from art_nb.wire import (
     RetryPolicy,
@@ -38,6 +39,14 @@ from art_nb.wire import (
 
 TOKEN = "serve-token-5be0c1d94f"
 PROMPT = [{"role": "user", "content": "Say a colour."}]
+
+
+@pytest.fixture(autouse=True)
+def private_config(tmp_path_factory, monkeypatch):
+    """Token files go to a folder of the test's own, never the user's ~/.config (and none is found there)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))
+    monkeypatch.delenv("ART_NB_SERVE_TOKEN", raising=False)
+    monkeypatch.delenv("ART_NB_API_KEY", raising=False)
 
 
 # --- wire format, versions, retries -------------------------------------------------------------
@@ -132,16 +141,42 @@ async def test_what_is_retried_and_what_is_not():
             await send("POST")
 
 
-def test_tokens_are_required_beyond_loopback():
+def test_a_token_is_generated_unless_no_token_is_asked_for_on_loopback(monkeypatch):
+    """Any account of the machine can reach a loopback port: a token by default there too (none was
+    generated on loopback, and a second user downloaded the adapter, deleted a checkpoint, trained)."""
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert is_loopback("127.0.0.2") and is_loopback("[::1]")  # all of 127.0.0.0/8 is this machine
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("gpu-box")
     shown: list[str] = []
-    secret = _resolve_token("0.0.0.0", None, shown.append)
-    assert secret is not None and len(shown) == 1 and secret.reveal() in shown[0]
-    assert _resolve_token("127.0.0.1", None, shown.append) is None and len(shown) == 1
+    for host in ("0.0.0.0", "127.0.0.1"):
+        secret = _resolve_token(host, None, shown.append)
+        assert secret.source == "generated" and len(secret.reveal()) >= 40
+    assert not shown  # `serve` prints it once bound, with where it is saved
+    assert _resolve_token("127.0.0.1", None, shown.append, no_token=True) is None
+    with pytest.raises(ValueError, match="--no-token is for loopback only: bound to 0.0.0.0"):
+        _resolve_token("0.0.0.0", None, shown.append, no_token=True)
+    monkeypatch.setenv("ART_NB_SERVE_TOKEN", TOKEN)
+    with pytest.raises(ValueError, match="--no-token contradicts the token from environment variable ART_NB_SERVE"):
+        _resolve_token("127.0.0.1", None, shown.append, no_token=True)
     given = "given-token-0123456789"  # 16 characters at least, off loopback
-    assert _resolve_token("0.0.0.0", given, shown.append).reveal() == given and len(shown) == 1
+    assert _resolve_token("0.0.0.0", given, shown.append).reveal() == given and not shown
+
+
+def test_a_saved_token_is_private_reused_on_its_port_and_found_by_a_loopback_client_only():
+    path = save_token(Secret("saved-token-0123456789abcdef"), 8123)
+    assert path == token_path(8123) and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert _resolve_token("127.0.0.1", None, print, port=8123).source == f"token file {path}"  # a restart
+    assert _resolve_token("127.0.0.1", None, print, port=8124).source == "generated"
+    for url in ("http://127.0.0.1:8123", "http://localhost:8123/v1", "http://[::1]:8123"):
+        assert loopback_token(url).reveal() == "saved-token-0123456789abcdef", url
+        assert RemoteBackend(url)._key.reveal() == "saved-token-0123456789abcdef"
+    assert loopback_token("http://10.0.0.5:8123") is None  # this machine's token never goes elsewhere
+    assert loopback_token("http://127.0.0.1:8124") is None
+    assert RemoteBackend("http://127.0.0.1:8123", api_key="explicit-key")._key.reveal() == "explicit-key"
+    path.chmod(0o644)  # readable by others: not trusted, and a restart makes a new one
+    assert loopback_token("http://127.0.0.1:8123") is None
+    assert _resolve_token("127.0.0.1", None, print, port=8123).source == "generated"
 
 
 async def test_both_servers_share_one_auth_middleware_and_one_loopback_rule(tmp_path):
@@ -158,9 +193,9 @@ async def test_both_servers_share_one_auth_middleware_and_one_loopback_rule(tmp_
             assert refused.json()["error"]["type"] == "invalid_request_error"
             assert (await raw.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})).status_code != 401
     assert serve_module.is_loopback is web.is_loopback
-    shown: list[str] = []
-    assert _resolve_token("127.0.0.2", None, shown.append) is None and not shown  # serve: no token generated
-    assert _resolve_token("10.1.2.3", None, shown.append) is not None and len(shown) == 1
+    assert _resolve_token("127.0.0.2", None, print, no_token=True) is None  # serve: --no-token allowed
+    with pytest.raises(ValueError, match="loopback only"):
+        _resolve_token("10.1.2.3", None, print, no_token=True)
     local = LocalBackend(tmp_path / "local", host="127.0.0.2")  # the in-kernel endpoint: no key needed either
     await local.close()
     with pytest.raises(ValueError, match="needs an api_key"):
@@ -442,28 +477,36 @@ def test_the_token_comes_from_a_file_or_the_environment_and_is_long_off_loopback
     assert _resolve_token("127.0.0.1", "a", print).reveal() == "a"  # loopback: no one else can connect
 
 
-def test_the_cli_reads_the_token_from_a_file_and_warns_about_token_on_the_command_line(tmp_path, monkeypatch, capsys):
+def test_the_cli_reads_the_token_from_a_file_and_refuses_one_on_the_command_line(tmp_path, monkeypatch, capsys):
     calls: list[dict] = []
     monkeypatch.setattr(serve_module, "serve", lambda *args, **kwargs: calls.append({"args": args, **kwargs}))
-    assert cli.main(["serve", "--token", TOKEN]) == 0
-    warning = capsys.readouterr().err
-    assert "process list" in warning and "--token-file" in warning and "ART_NB_SERVE_TOKEN" in warning
-    assert TOKEN not in warning
+    for argv in (["serve", "--token", TOKEN], ["serve", f"--token={TOKEN}"], ["serve", "--token"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        refusal = capsys.readouterr().err
+        assert info.value.code == 2 and not calls
+        assert "--token is refused" in refusal and "/proc/<pid>/cmdline" in refusal
+        assert "--token-file PATH" in refusal and "ART_NB_SERVE_TOKEN" in refusal and TOKEN not in refusal
     file = tmp_path / "token"
     file.write_text(TOKEN)
     assert cli.main(["serve", "--token-file", str(file), "--allowed-origin", "http://localhost:8888",
                      "--allow-local-models"]) == 0
     assert capsys.readouterr().err == ""
     assert calls[-1]["token_file"] == str(file) and calls[-1]["allowed_origins"] == ["http://localhost:8888"]
-    assert calls[-1]["allow_local_models"] is True
+    assert calls[-1]["allow_local_models"] is True and calls[-1]["no_token"] is False
+    assert cli.main(["serve", "--no-token"]) == 0 and calls[-1]["no_token"] is True
 
 
-def test_the_cli_refuses_a_short_token_off_loopback(monkeypatch, capsys):
-    monkeypatch.delenv("ART_NB_SERVE_TOKEN", raising=False)
+def test_the_cli_refuses_a_short_token_or_no_token_off_loopback(monkeypatch, capsys):
+    monkeypatch.setenv("ART_NB_SERVE_TOKEN", "a")
     with pytest.raises(SystemExit) as info:
-        cli.main(["serve", "--host", "10.1.2.3", "--token", "a"])
+        cli.main(["serve", "--host", "10.1.2.3"])
     assert info.value.code == 2
     assert "secrets.token_urlsafe(32)" in capsys.readouterr().err
+    monkeypatch.delenv("ART_NB_SERVE_TOKEN")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--host", "10.1.2.3", "--no-token"])
+    assert info.value.code == 2 and "--no-token is for loopback only" in capsys.readouterr().err
 
 
 def test_redact_masks_any_long_enough_piece_of_the_key():
