@@ -10,6 +10,8 @@
   back as dicts), and a Choice carries what training needs: its `token_ids` and logprobs. On the
   wire each item is tagged, `{"message": {...}}` or `{"choice": {...}}`, and decoded back into
   the same types.
+- **Streams.** A train stream is NDJSON; `bounded_lines` splits it without ever holding more than
+  one line of a set size (httpx's `aiter_lines` buffers a line without end whole).
 - **Request bodies.** `RegisterBody`, `TrainBody`, `SFTBody`, `LogBody`, `DeleteBody`: what `art-nb serve`'s
   routes accept, checked at the door so bad input is a 400 naming the field, never a 500 from deep
   inside the backend (a split that is a path, a step of -5, a metric that is a string or NaN).
@@ -22,7 +24,7 @@ import email.utils
 import random
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -37,11 +39,13 @@ __all__ = [
     "VERSION_HEADER",
     "DeleteBody",
     "LogBody",
+    "LineTooLongError",
     "LoopClients",
     "RegisterBody",
     "RetryPolicy",
     "SFTBody",
     "TrainBody",
+    "bounded_lines",
     "group_from_wire",
     "group_to_wire",
     "parse_retry_after",
@@ -192,6 +196,31 @@ async def request_with_retries(
             on_retry(attempt + 1, delay, reason)
         await sleep(delay)
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+class LineTooLongError(ValueError):
+    """A stream line grew past the reader's limit without ending."""
+
+
+async def bounded_lines(chunks: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
+    """The non-blank lines of a byte stream; `LineTooLongError` as soon as one grows past `limit` bytes."""
+    buffer = bytearray()
+    async for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:  # only the new bytes are searched
+            buffer += chunk[start:end]
+            if len(buffer) > limit:
+                break
+            if buffer.strip():
+                yield bytes(buffer)
+            buffer.clear()
+            start = end + 1
+        else:
+            buffer += chunk[start:]
+        if len(buffer) > limit:
+            raise LineTooLongError(f"a line of over {limit:,} bytes")
+    if buffer.strip():
+        yield bytes(buffer)
 
 
 # --- trajectories on the wire -------------------------------------------------------------------

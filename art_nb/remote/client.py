@@ -10,8 +10,13 @@ naming the server and the way back: re-run `await model.register(backend)` (a re
 resumes from its last checkpoint) and continue from `await model.get_step()`. `train` is never
 retried automatically (it is not idempotent), nor is `train_sft`; reads are, briefly.
 
-The token comes from `api_key`, a Colab secret or the environment variable `ART_NB_API_KEY`; it is
-never shown (see `art_nb.secrets`).
+The token comes from `api_key`, a Colab secret or the environment variable `ART_NB_API_KEY`, else, for
+a server on this machine (a loopback URL), the file `art-nb serve` saved its generated token in
+(`art_nb.remote.tokens`); it is never shown (see `art_nb.secrets`).
+
+What comes back is not trusted further than it must be: a downloaded file stops at the size the
+listing gave, a stream line at `MAX_STREAM_LINE`, and a download never replaces a checkpoint of
+this machine or writes into a model directory another process is writing (its writer lock).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +37,20 @@ from art_nb import events
 from art_nb._version import __version__
 from art_nb.backend import sft_inputs, train_inputs
 from art_nb.config import TrainConfig
+from art_nb.records import UnknownMetricError
 from art_nb.secrets import Secret, find_secret
 from art_nb.sft_config import TrainSFTConfig
 from art_nb.store import ADAPTER_FILES, META_FILE, TRAINER_STATE, ModelStore, model_dir
 from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
+from art_nb.web import MB
 
 from ..wire import (
     VERSION_HEADER,
+    LineTooLongError,
     LoopClients,
     RetryPolicy,
+    bounded_lines,
     group_to_wire,
     request_with_retries,
     trajectory_to_wire,
@@ -49,9 +58,10 @@ from ..wire import (
 )
 from .tokens import loopback_token
 
-__all__ = ["API_KEY_ENV", "RemoteBackend", "RemoteBackendError", "RemoteTrainingError"]
+__all__ = ["API_KEY_ENV", "MAX_STREAM_LINE", "RemoteBackend", "RemoteBackendError", "RemoteTrainingError"]
 
 API_KEY_ENV = "ART_NB_API_KEY"
+MAX_STREAM_LINE = 8 * MB  # a train stream's line (events, metrics) is a few KB; an endless one must not fill memory
 _SHOWN_CHARS = 1000  # of a server's error message, after the key is masked
 
 
@@ -137,6 +147,8 @@ class RemoteBackend:
                 f"`art-nb serve` printed as RemoteBackend(..., api_key=...) or set {API_KEY_ENV}")
         if code in ("version_mismatch", "model_not_registered"):
             raise RemoteBackendError(message)
+        if code == "unknown_metric":  # the type a local delete_checkpoints raises, so callers handle both alike
+            raise UnknownMetricError(message)
         raise RemoteBackendError(f"{what} failed on {self.base_url}: HTTP {response.status_code}: {message}")
 
     async def _call(self, method: str, route: str, what: str, **kwargs: Any) -> Any:
@@ -214,16 +226,29 @@ class RemoteBackend:
                 if not response.is_success:
                     await response.aread()
                     self._check(response, what)
-                async for line in response.aiter_lines():
-                    if line.strip():
-                        result = self._on_stream_item(model, json.loads(line), on_progress) or result
+                async for line in bounded_lines(response.aiter_bytes(), MAX_STREAM_LINE):
+                    result = self._on_stream_item(model, self._stream_item(line, what), on_progress) or result
         except httpx.TransportError as exc:
             raise self._lost(exc, what) from None
+        except LineTooLongError as exc:  # httpx's aiter_lines buffered a line without end (+423 MB)
+            raise RemoteBackendError(
+                f"the {what} stream from {self.base_url} sent {exc} without ending it; stopped reading (an art-nb "
+                "server's lines are a few KB). The step may go on there: `await model.get_step()` tells") from None
         if result is None:
             raise RemoteBackendError(
                 f"the {route} stream from {self.base_url} ended without a result: the server may have stopped "
                 "mid-step; re-run `await model.register(backend)` and continue from `await model.get_step()`")
         return result
+
+    def _stream_item(self, line: bytes, what: str) -> dict[str, Any]:
+        try:
+            item = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            item = None
+        if not isinstance(item, dict):
+            raise RemoteBackendError(f"the {what} stream from {self.base_url} sent a line that is not a JSON "
+                                     f"object: {self._redact(line[:200].decode(errors='replace'), 200)!r}")
+        return item
 
     def _on_stream_item(self, model: TrainableModelRef, item: dict[str, Any],
                         on_progress: ProgressCallback | None) -> TrainResult | None:
@@ -286,24 +311,56 @@ class RemoteBackend:
 
         Default destination: `{path}/{project}/models/{name}/checkpoints/{step:04d}`, the layout a
         `LocalBackend(path)` resumes from. Files are checked against the server's sha256 and
-        appear all at once (written to a temporary directory, then renamed).
+        appear all at once (written to a temporary directory, then renamed). Nothing here is
+        replaced: a step this machine has already (or an existing `dest`) is a `FileExistsError`
+        before anything is downloaded, and the default place is written as its model directory's
+        one writer (`StoreLockedError` while a LocalBackend or another download holds it). A file
+        is read up to the size the listing gave and no further.
         """
         step = await self.get_step(model) if step is None else step
         route = f"/api/models/{model.name}/checkpoints/{step}/files"
         listing = (await self._call("GET", route, f"download of step {step}"))["files"]
         wanted = {*ADAPTER_FILES, META_FILE, *((TRAINER_STATE,) if include_optimizer else ())}
-        chosen = [f for f in listing if f["name"] in wanted]
+        chosen = [self._listed(f, step) for f in listing if isinstance(f, dict) and f.get("name") in wanted]
         missing = sorted(set(ADAPTER_FILES) - {f["name"] for f in chosen})
         if missing:
             raise RemoteBackendError(f"checkpoint {step} of {model.name!r} on {self.base_url} lacks {missing}: "
                                      "it is not a complete adapter; download another step")
-        staging = Path(tempfile.mkdtemp(prefix=".download-", dir=self._staging_root(model, dest)))
+        store = None if dest is not None else ModelStore(self.path, model.project, model.name)
+        if store is not None:
+            store.acquire_writer()  # released below; no one else writes checkpoints there meanwhile
         try:
-            for entry in chosen:
-                await self._download_file(f"{route}/{entry['name']}", staging / entry["name"], entry)
-            return await asyncio.to_thread(self._place, model, step, staging, dest)
+            self._refuse_existing(model, step, dest)
+            staging = Path(tempfile.mkdtemp(prefix=".download-", dir=self._staging_root(model, dest)))
+            try:
+                for entry in chosen:
+                    await self._download_file(f"{route}/{entry['name']}", staging / entry["name"], entry)
+                return await asyncio.to_thread(self._place, model, step, staging, dest, store)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if store is not None:
+                store.release_writer()
+
+    def _listed(self, entry: dict[str, Any], step: int) -> dict[str, Any]:
+        """A listing entry as the download relies on it: a size in bytes and a sha256."""
+        size, digest = entry.get("size"), entry.get("sha256")
+        if type(size) is not int or size < 0 or not isinstance(digest, str) or len(digest) != 64:
+            raise RemoteBackendError(f"the listing of checkpoint {step} from {self.base_url} gives {entry['name']!r} "
+                                     "no valid size and sha256: not an art-nb server's answer")
+        return entry
+
+    def _refuse_existing(self, model: TrainableModelRef, step: int, dest: str | os.PathLike[str] | None) -> None:
+        if dest is not None:
+            final = Path(dest).expanduser().resolve()
+            if os.path.lexists(final):
+                raise FileExistsError(f"{final} exists; choose another destination or remove it")
+            return
+        final = self.model_dir(model) / "checkpoints" / f"{step:04d}"
+        if os.path.lexists(final):
+            raise FileExistsError(
+                f"checkpoint {step:04d} of {model.name!r} is already on this machine ({final}); a download never "
+                "replaces one: pass dest=... to put the server's copy elsewhere, or delete this one first")
 
     def _staging_root(self, model: TrainableModelRef, dest: str | os.PathLike[str] | None) -> Path:
         root = Path(dest).expanduser().resolve().parent if dest is not None else self.path
@@ -311,33 +368,40 @@ class RemoteBackend:
         return root
 
     async def _download_file(self, route: str, target: Path, entry: dict[str, Any]) -> None:
-        digest = hashlib.sha256()
+        digest, received, name = hashlib.sha256(), 0, entry["name"]
         try:
             async with self._client().stream("GET", route) as response:
                 if not response.is_success:
                     await response.aread()
-                    self._check(response, f"download of {entry['name']}")
+                    self._check(response, f"download of {name}")
                 with open(target, "wb") as handle:
                     async for chunk in response.aiter_bytes():
+                        received += len(chunk)
+                        if received > entry["size"]:
+                            raise RemoteBackendError(
+                                f"{name}: {self.base_url} sent more than the {entry['size']:,} bytes its listing "
+                                "gave; stopped reading, nothing was kept. Retry; if it persists, the server's "
+                                "checkpoint is changing or it is not an art-nb server")
                         handle.write(chunk)
                         digest.update(chunk)
         except httpx.TransportError as exc:
-            raise self._lost(exc, f"download of {entry['name']}") from None
-        if digest.hexdigest() != entry["sha256"]:
-            raise RemoteBackendError(f"{entry['name']} arrived corrupted (sha256 differs from the server's); retry")
+            raise self._lost(exc, f"download of {name}") from None
+        if received != entry["size"] or digest.hexdigest() != entry["sha256"]:
+            raise RemoteBackendError(f"{name} arrived corrupted ({received:,} of {entry['size']:,} bytes, sha256 "
+                                     f"{'differs from' if received == entry['size'] else 'unchecked against'} the "
+                                     "server's); retry")
 
-    def _place(self, model: TrainableModelRef, step: int, staging: Path, dest: str | os.PathLike[str] | None) -> Path:
-        if dest is not None:
-            final = Path(dest).expanduser().resolve()
-            if final.exists():
-                raise FileExistsError(f"{final} exists; choose another destination or remove it")
+    def _place(self, model: TrainableModelRef, step: int, staging: Path, dest: str | os.PathLike[str] | None,
+               store: ModelStore | None) -> Path:
+        self._refuse_existing(model, step, dest)
+        if store is None:
+            final = Path(str(dest)).expanduser().resolve()
             staging.rename(final)
             return final
         meta_path = staging / META_FILE
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         meta.pop("step", None)
         meta.pop("time", None)
-        store = ModelStore(self.path, model.project, model.name)
 
         def write(directory: Path) -> None:
             for file in staging.iterdir():
