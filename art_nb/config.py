@@ -92,15 +92,20 @@ def default_microbatch_tokens(device: str) -> int:
     return 1024 if device == "cpu" else 8192
 
 _ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Upper bounds on every number a client may set (over HTTP too): far above any real run, low enough
+# that no value kills or floods the process serving it (20,000 CPU threads did: "libgomp: Thread
+# creation failed"). Tokens: 2**20, above the longest contexts served today (128k-1M).
+MAX_TOKENS = 2**20
+MAX_CPU_THREADS = 1024  # the largest two-socket CPU servers have 768 hardware threads
 
 
 class LoraConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int = Field(8, ge=1, le=512)
-    alpha: float = Field(16.0, gt=0)
+    alpha: float = Field(16.0, gt=0, le=65536, allow_inf_nan=False)  # 128x the largest rank
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: tuple[str, ...] = _ALL_LINEAR
+    target_modules: tuple[str, ...] = Field(_ALL_LINEAR, max_length=64)  # a model has ~7 kinds of linear layer
 
 
 class ModelConfig(BaseModel):
@@ -111,13 +116,14 @@ class ModelConfig(BaseModel):
     engine: Literal["auto", "hf", "vllm"] = "auto"
     trainer: Literal["auto", "peft", "unsloth"] = "auto"
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    max_seq_len: int = Field(2048, ge=64, description="prompt + completion tokens, for serving and training")
+    max_seq_len: int = Field(2048, ge=64, le=MAX_TOKENS, description="prompt + completion tokens, for serving and training")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     load_in_4bit: bool = False
-    cpu_threads: int | None = Field(None, ge=1, description="torch threads on CPU; None = chosen and reported")
-    max_batch_size: int = Field(64, ge=1, description="sequences the transformers engine decodes at once")
+    cpu_threads: int | None = Field(None, ge=1, le=MAX_CPU_THREADS, description="torch threads on CPU; None = chosen and reported")
+    max_batch_size: int = Field(64, ge=1, le=4096, description="sequences the engine decodes at once (ART's configs "
+                                "use up to 1024)")
     prefix_cache_gib: float | None = Field(
-        None, ge=0, allow_inf_nan=False, description="memory the transformers engine may keep for reusing the KV "
+        None, ge=0, le=1024, allow_inf_nan=False, description="memory the transformers engine may keep for reusing the KV "
         "cache of shared prompt prefixes (a conversation's earlier turns, a group's shared prompt); 0 turns it off; "
         "None: 10% of RAM on CPU, 5% of the GPU memory this process may use")
     gpu_memory_utilization: float | None = Field(None, gt=0, lt=1, description="vLLM's share; None = auto")
@@ -132,7 +138,11 @@ class ModelConfig(BaseModel):
         "0.32 does not)")
     sleep_during_training: bool | None = Field(
         None, description="put vLLM to sleep while a step trains; None = only when training would not fit beside it")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="the range numpy and vLLM take (torch takes more)")
+    max_loaded_adapters: int = Field(
+        4, ge=2, le=256, description="adapters kept loaded for serving: the served step and the older steps asked "
+        "for as name@step, least recently used out first (loaded again from disk when asked for); vLLM keeps as "
+        "many in host memory (its max_cpu_loras)")
 
 
 class TrainConfig(BaseModel):
@@ -159,7 +169,7 @@ class TrainConfig(BaseModel):
         None, description="the policy ratio per token, or one per trajectory (GSPO); None: the loss's default "
         "(LOSSES: 'sequence' for gspo, 'token' otherwise)")
     max_completion_length: int | None = Field(
-        None, ge=1, description="dr_grpo's constant: each trajectory's summed token loss is divided by it; None: "
+        None, ge=1, le=MAX_TOKENS, description="dr_grpo's constant: each trajectory's summed token loss is divided by it; None: "
         "the model's max_seq_len")
     importance_sampling_correction: bool = Field(
         True, description="weigh each token by pi_trainer / pi_engine (detached, bounded) where the engine sent "
@@ -184,13 +194,13 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     adam_betas: tuple[float, float] = (0.9, 0.999)
     grad_accumulation_sequences: int | None = Field(
-        None, ge=1, description="ART's field, accepted: art_nb takes one optimizer step per batch, "
+        None, ge=1, le=MAX_TOKENS, description="ART's field, accepted: art_nb takes one optimizer step per batch, "
         "accumulating over every microbatch (microbatch_tokens bounds memory instead)")
     microbatch_tokens: int | None = Field(
-        None, ge=64, description="padded tokens per forward/backward; lower saves memory. None: "
+        None, ge=64, le=MAX_TOKENS, description="padded tokens per forward/backward; lower saves memory. None: "
         "default_microbatch_tokens(device), 1024 on CPU and 8192 on a GPU")
-    logprob_chunk_tokens: int = Field(512, ge=1, description="tokens (batch x positions) per lm_head chunk when taking logprobs: bounds logits memory")
-    max_nonfinite_steps: int = Field(3, ge=1, description="consecutive skipped updates before training stops")
+    logprob_chunk_tokens: int = Field(512, ge=1, le=MAX_TOKENS, description="tokens (batch x positions) per lm_head chunk when taking logprobs: bounds logits memory")
+    max_nonfinite_steps: int = Field(3, ge=1, le=10**6, description="consecutive skipped updates before training stops")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -54,7 +54,9 @@ __all__ = [
     "StoreLockedError",
     "StorePathError",
     "HISTORY_FILE",
+    "MAX_STEP",
     "META_FILE",
+    "ModelMismatchError",
     "ModelStore",
     "TRAINER_STATE",
     "check_name",
@@ -66,6 +68,7 @@ __all__ = [
     "model_dir",
     "model_subpath",
     "read_jsonl",
+    "relative_text",
     "staging_path",
     "trajectory_files",
     "write_adapter",
@@ -83,6 +86,9 @@ SERVERLESS_JOB_FILE = "serverless.json"
 # the history and the logs/ folder a bucket ART wrote may hold.
 RECORD_PARTS = {"checkpoints": (f"{CHECKPOINTS_DIR}/",), "trajectories": (f"{TRAJECTORIES_DIR}/",),
                 "logs": (HISTORY_FILE, "logs/")}
+# A step names files ({step:04d}): 10**400 made a name too long for the filesystem. A billion steps
+# is far beyond any run.
+MAX_STEP = 10**9
 _STEP_DIR = re.compile(r"^\d{4,}$")
 _STEP_FILE = re.compile(r"^(\d{4,})\.jsonl$")
 _TMP_PREFIX = ".tmp-"
@@ -96,6 +102,11 @@ class CheckpointError(RuntimeError):
 
 class StoreLockedError(RuntimeError):
     """Another process (or backend) writes this model directory; names its pid."""
+
+
+class ModelMismatchError(ValueError):
+    """A model name is taken by another base model or config: registered in this process, or trained
+    on disk (its checkpoints' meta.json). Names both."""
 
 
 def model_subpath(project: str, name: str) -> str:
@@ -134,6 +145,13 @@ def staging_path(directory: Path, label: str) -> Path:
     return directory / f"{_TMP_PREFIX}{label}-{os.getpid()}"
 
 
+def relative_text(text: str, directory: Path) -> str:
+    """`text` with `directory`'s absolute path made relative to it: what a server shows clients (a
+    message naming `checkpoints/0003`, not where the server keeps its runs)."""
+    root = str(directory)
+    return text.replace(root + os.sep, "").replace(root, ".")
+
+
 def checkpoint_steps(checkpoints: Path) -> list[int]:
     """Steps with a complete checkpoint under a `checkpoints/` directory, ascending ([] if it is missing).
     A step directory that is a symbolic link is not a checkpoint (it may lead anywhere)."""
@@ -145,9 +163,13 @@ def checkpoint_steps(checkpoints: Path) -> list[int]:
 
 def checkpoint_path(checkpoints: Path, step: int) -> Path:
     """The directory of checkpoint `step` under a `checkpoints/` directory (it may not exist)."""
-    if step < 0:
-        raise ValueError(f"step must be 0 or more, got {step}")
+    _check_step(step)
     return checkpoints / f"{step:04d}"
+
+
+def _check_step(step: int) -> None:
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be from 0 to {MAX_STEP:,}, got {str(step)[:30]}")
 
 
 def trajectory_files(model_dir: Path) -> list[tuple[str, int, Path]]:
@@ -353,8 +375,7 @@ class ModelStore:
         return read_jsonl(self.dir / HISTORY_FILE)
 
     def trajectory_file(self, split: str, step: int) -> Path:
-        if step < 0:
-            raise ValueError(f"step must be 0 or more, got {step}")
+        _check_step(step)
         return self.dir / TRAJECTORIES_DIR / check_name("split", split) / f"{step:04d}.jsonl"
 
     def append_trajectories(self, split: str, step: int, records: Iterable[dict[str, Any]]) -> Path:

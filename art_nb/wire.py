@@ -32,6 +32,7 @@ import httpx
 from openai.types.chat.chat_completion import Choice
 from pydantic import AfterValidator, BaseModel, Field
 
+from art_nb.store import MAX_STEP
 from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import check_name
 
@@ -278,7 +279,8 @@ def group_from_wire(data: dict[str, Any]) -> TrajectoryGroup:
 
 # --- request bodies of art-nb serve -------------------------------------------------------------
 
-Step = Annotated[int, Field(strict=True, ge=0)]  # strict: 1.5, True and "3" are not steps
+# strict: 1.5, True and "3" are not steps; bounded as the store bounds them (a step names files)
+Step = Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
 Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Split = Annotated[str, AfterValidator(lambda name: check_name("split", name))]
 

@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING
 
 from art_nb.config import ModelConfig, TrainConfig
 from art_nb.records import as_groups, best_step, record_groups, unrecorded
-from art_nb.store import CheckpointError, ModelStore
+from art_nb.store import CheckpointError, ModelMismatchError, ModelStore
 from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import ModelRef, ProgressCallback, TrainableModelRef, TrainResult
 from art_nb.web import is_loopback
 
+from . import resume
 from . import step as train_step
+from .adapters import use_step
 from .build import build
 from .commit import settle
 from .engines.vllm.args import MemorySnapshot, planned_memory
@@ -108,19 +110,16 @@ class Runtime:
         step = int(step_text) if step_text else state.step
         if step == 0:  # a fresh LoRA is the identity: step 0 is the base weights
             return ServedModel(engine=state.engine, adapter=None, name=state.adapter_name(0))
-        if step not in state.loaded_adapters:
-            if step not in state.store.steps():
-                raise KeyError(model_name)
-            await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step))
-            state.loaded_adapters.add(step)
-        return ServedModel(engine=state.engine, adapter=state.adapter_name(step), name=state.adapter_name(step))
+        release = await use_step(state, step)  # KeyError when there is no such checkpoint
+        return ServedModel(engine=state.engine, adapter=state.adapter_name(step), name=state.adapter_name(step),
+                           release=release)
 
     def list_models(self) -> list[str]:
         names = []
         for state in self.models.values():
             prefix = "" if self.served_name(state.project, state.model_name) == state.model_name else f"{state.project}/"
             names.append(prefix + state.model_name)
-            names.extend(prefix + state.adapter_name(s) for s in sorted(set(state.store.steps()) | state.loaded_adapters))
+            names.extend(prefix + state.adapter_name(s) for s in sorted({*state.store.steps(), *state.loaded_adapters}))
         names.extend(dict.fromkeys(state.base_model for state in self.models.values()))
         return names
 
@@ -177,7 +176,7 @@ class Runtime:
             state = self.models.get(key)
             if state is not None:
                 if state.base_model != model.base_model or state.config != model.backend_config:
-                    raise ValueError(
+                    raise ModelMismatchError(
                         f"model {model.name!r} is already registered with base_model={state.base_model!r} and a "
                         "different config; use a new name, or restart the kernel to change it"
                     )
@@ -223,7 +222,9 @@ class Runtime:
 
         store = ModelStore(self.path, model.project, model.name)
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
+        started: tuple[str, str] | None = None  # the key of an engine this register started
         try:
+            await asyncio.to_thread(resume.check_base_model, store, model.base_model)  # before anything loads
             clock.start("base model")
             resolved = await asyncio.to_thread(resolve_base_model, model.base_model)
             plan = plan_for(model.backend_config)
@@ -242,34 +243,50 @@ class Runtime:
                         raise
                     _log.warning("engine: %s", fallback.reasons["engine"])
                     plan, choices["engine"] = fallback, fallback.reasons["engine"]
-            self.engines[engine_key] = engine
-            if snapshot is not None:
-                self.snapshots[engine_key] = snapshot
-        except BaseException:
+            if engine_key not in self.engines:  # else shared with the models on it: not this register's to close
+                self.engines[engine_key] = engine
+                started = engine_key
+                if snapshot is not None:
+                    self.snapshots[engine_key] = snapshot
+            state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine,
+                               trainer, await self._start_from(store, model.base_model, trainer, clock, choices), choices)
+            if state.step > 0:
+                await engine.load_adapter(state.adapter_name(state.step), store.checkpoint_dir(state.step))
+                state.loaded_adapters.add(state.step)
+        except BaseException:  # whatever failed, nothing this register took stays taken
             store.release_writer()
+            if started is not None:
+                self.snapshots.pop(started, None)
+                with contextlib.suppress(Exception):
+                    await self.engines.pop(started).close()
             raise
-
-        step = store.latest_step()
-        if step is None:  # a new model: its fresh LoRA is checkpoint 0, so resume always has a start
-            step = 0
-            clock.start("checkpoint 0")
-            await asyncio.to_thread(store.write_checkpoint, 0, trainer.save, {"base_model": model.base_model})
-        else:
-            clock.start(f"resume from step {step}")
-            await asyncio.to_thread(trainer.load, store.checkpoint_dir(step))
-            choices["resume"] = f"resumed at step {step} from {store.checkpoint_dir(step)} (optimizer state included)"
-            _log.info("resume: %s", choices["resume"])
-        state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine, trainer,
-                           step, choices)
-        if step > 0:
-            await engine.load_adapter(state.adapter_name(step), store.checkpoint_dir(step))
-            state.loaded_adapters.add(step)
         choices["startup"] = clock.finish()
         _log.info("startup: %s", choices["startup"])
         if plan.device == "cuda":
             choices["gpu_memory"] = _gpu_headroom(plan.engine == "vllm")
             _log.info("gpu_memory: %s", choices["gpu_memory"])
         return state
+
+    @staticmethod
+    async def _start_from(store: ModelStore, base_model: str, trainer: Trainer, clock: PhaseClock,
+                          choices: dict[str, str]) -> int:
+        """The step a register starts at: the newest checkpoint, checked and loaded into `trainer`, or
+        a new model's fresh LoRA written as checkpoint 0 (so resume always has a start)."""
+        step = store.latest_step()
+        if step is None:
+            clock.start("checkpoint 0")
+            await asyncio.to_thread(store.write_checkpoint, 0, trainer.save, {"base_model": base_model})
+            return 0
+        clock.start(f"resume from step {step}")
+        try:
+            await asyncio.to_thread(resume.check_finite, store, step)
+            await asyncio.to_thread(trainer.load, store.checkpoint_dir(step))
+        except Exception as error:
+            raise resume.resume_failed(store, step, error) from error
+        # Relative to the model's directory: this text reaches remote clients, the server's paths must not
+        choices["resume"] = f"resumed at step {step} from checkpoints/{step:04d} (optimizer state included)"
+        _log.info("resume: %s", choices["resume"])
+        return step
 
     # ---- what the backend facade forwards -------------------------------------------------------
 
@@ -305,7 +322,7 @@ class Runtime:
             targets = set(existing[: max(0, len(existing) - max(keep_last, 1))])
         targets.discard(state.step)
         await settle(state, await self.ensure_server())
-        for step in targets & state.loaded_adapters:
+        for step in targets & set(state.loaded_adapters):
             await state.engine.unload_adapter(state.adapter_name(step))
             state.loaded_adapters.discard(step)
         return await asyncio.to_thread(state.store.delete_checkpoints, sorted(targets))

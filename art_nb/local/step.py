@@ -173,7 +173,7 @@ async def _serve(state: ModelState, step: int, weights: AdapterWeights) -> None:
     """Serve `step`'s adapter from memory and drop the older ones from the engine (their files stay on disk)."""
     await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step), weights=weights)
     state.loaded_adapters.add(step)
-    for old in sorted(state.loaded_adapters - {step}):
+    for old in sorted(s for s in state.loaded_adapters if s != step):
         await state.engine.unload_adapter(state.adapter_name(old))
         state.loaded_adapters.discard(old)
 

@@ -64,7 +64,7 @@ from art_nb.nofollow import StorePathError, open_servable, servable_files
 from art_nb.records import UnknownMetricError
 from art_nb.secrets import Secret
 from art_nb.sft_config import TrainSFTConfig
-from art_nb.store import checkpoint_steps, checkpoints_dir
+from art_nb.store import CheckpointError, ModelMismatchError, checkpoint_steps, checkpoints_dir, relative_text
 from art_nb.types import ProgressCallback, TrainableModelRef, TrainResult
 from art_nb.web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 
@@ -139,12 +139,12 @@ async def _body(request: Request, schema: type[B]) -> B:
         raise validation_error(exc) from None
 
 
-def _validated(schema: type[B], data: dict[str, Any] | None) -> B:
-    """A body's `config` as `schema` (defaults when absent): a 400 naming each bad field."""
+def _validated(schema: type[B], data: dict[str, Any] | None, field: str = "") -> B:
+    """A body's `config` as `schema` (defaults when absent): a 400 naming each bad field (under `field`)."""
     try:
         return schema.model_validate(data or {})
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, field) from None
 
 
 def _wire_error(field: str, exc: Exception) -> ApiError:
@@ -163,6 +163,10 @@ class _Service:
         self.allow_local_models = allow_local_models
         self.resolve_model = resolve_model
 
+    def _shown(self, model: TrainableModel, error: BaseException) -> str:
+        """An error's text as a client sees it: paths relative to the model's directory, never the server's."""
+        return relative_text(str(error), self.backend.model_dir(model))
+
     def model(self, request: Request) -> TrainableModel:
         name = request.path_params["name"]
         model = self.models.get(name)
@@ -175,21 +179,27 @@ class _Service:
         return JSONResponse({"server": "art-nb", "version": __version__, "models": sorted(self.models)})
 
     async def register(self, request: Request) -> JSONResponse:
+        """All the client sent is checked (the config's bounds too) before anything is resolved or loaded;
+        409 only for a conflict with what exists (name taken, damaged checkpoint), any other bad value 400."""
         body = await _body(request, RegisterBody)
-        await check_base_model(body.base_model, self.allow_local_models, self.resolve_model)
+        config = _validated(ModelConfig, body.config, "config")
         try:
-            model = TrainableModel(name=body.name, project=body.project, base_model=body.base_model,
-                                   config=ModelConfig.model_validate(body.config or {}))
+            model = TrainableModel(name=body.name, project=body.project, base_model=body.base_model, config=config)
         except ValidationError as exc:
             raise validation_error(exc) from None
+        await check_base_model(body.base_model, self.allow_local_models, self.resolve_model)
         known = self.models.get(model.name)
         if known is not None and known.project != model.project:  # routes address models by name
             raise ApiError(409, f"a model named {model.name!r} is registered here for project {known.project!r}; "
                                 "this server addresses models by name: pick another name", "conflict")
         try:
             await self.backend.register(model)
-        except ValueError as exc:  # same name, different base model or config
-            raise ApiError(409, str(exc), "conflict") from exc
+        except ModelMismatchError as exc:  # the name is taken by another base model or config
+            raise ApiError(409, self._shown(model, exc), "conflict") from exc
+        except CheckpointError as exc:  # the newest checkpoint cannot be resumed; the message says the way back
+            raise ApiError(409, self._shown(model, exc), "checkpoint_damaged") from exc
+        except ValueError as exc:  # a value the backend cannot use here (the config's own bounds hold already)
+            raise ApiError(400, self._shown(model, exc), param="config") from exc
         self.models[model.name] = model
         return JSONResponse({"step": await self.backend.get_step(model), "choices": self.backend.choices(model)})
 
@@ -240,6 +250,8 @@ class _Service:
         def forward(event: dict[str, Any]) -> None:
             # "remote" marks a client's echo of a server event (client and server in one process)
             if event.get("model") == model.name and "remote" not in event:
+                if isinstance(event.get("checkpoint"), str):  # relative to the model's directory, as everywhere
+                    event = {**event, "checkpoint": relative_text(event["checkpoint"], self.backend.model_dir(model))}
                 put({"type": "event", "event": event})
 
         lock = self.train_locks.setdefault((model.project, model.name), asyncio.Lock())
@@ -275,7 +287,7 @@ class _Service:
             error = task.exception() if not task.cancelled() else asyncio.CancelledError(f"{what} was cancelled")
             if error is not None:
                 _log.error("%s of %s failed: %s: %s", what, model.name, type(error).__name__, error)
-                yield _line({"type": "error", "error": type(error).__name__, "message": str(error)})
+                yield _line({"type": "error", "error": type(error).__name__, "message": self._shown(model, error)})
             else:
                 result = task.result()
                 yield _line({"type": "result", "step": result.step, "metrics": result.metrics})

@@ -7,17 +7,20 @@ request that waited out a train step is answered by the new weights. A request w
 away is cancelled rather than decoded to `max_tokens` for nobody.
 
 Every request passes `art_nb.web.RequestGuard` (Host, Origin, JSON only, a body of at most
-`max_body` bytes) and `BearerAuth` first. Parsing a large body and rendering its prompt run in a
-worker thread: a megabyte-sized message takes seconds to tokenise, and every other client (and the
-train step waiting at the gate) would wait for the event loop meanwhile.
+`max_body` bytes) and `BearerAuth` first. The work that grows with a request (parsing and validating
+a large body, rendering its prompt, building a large response) runs in a worker thread, once per
+request: a megabyte-sized message takes seconds to tokenise, 150,000 tools copied once per choice
+held the loop for 30 s, and every other client (and the train step waiting at the gate) waits for the
+event loop meanwhile. The counts that make it grow are bounded in `schema`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -25,10 +28,11 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from art_nb.secrets import Secret
+from art_nb.store import CheckpointError
 from art_nb.web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 
 from ..engines.base import Engine, Sample
@@ -41,7 +45,8 @@ __all__ = ["CHAT_MAX_BODY", "ModelRegistry", "ServedModel", "create_app"]
 
 T = TypeVar("T")
 CHAT_MAX_BODY = 8 * MB
-_THREADED_RENDER_BYTES = 64 * 1024  # bodies larger than this are rendered in a worker thread
+_THREADED_RENDER_BYTES = 64 * 1024  # bodies larger than this are validated and rendered in a worker thread
+_THREADED_RESPONSE_TOKENS = 4096  # responses with more tokens (x alternatives) than this are built in one too
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class ServedModel:
     engine: Engine
     adapter: str | None
     name: str
+    # Awaited once the request is answered: a step loaded on demand stays pinned until then (adapters.py)
+    release: Callable[[], Awaitable[None]] | None = None
 
 
 class ModelRegistry(Protocol):
@@ -78,13 +85,10 @@ def create_app(
                 for name in registry.list_models()]
         return JSONResponse({"object": "list", "data": data})
 
-    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    async def chat_completions(request: Request) -> Response:
         body = await read_json(request)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from exc
         threaded = len(await request.body()) > _THREADED_RENDER_BYTES  # read once, kept by the request
+        req = await asyncio.to_thread(_validated, body) if threaded else _validated(body)
 
         async def serve() -> tuple[ServedModel, list[int], list[Sample]]:
             # Resolve inside the gate: a request that waited out a train step gets the new weights.
@@ -98,20 +102,25 @@ def create_app(
                         404, f"model {req.model!r} is not served here; see GET /v1/models",
                         "model_not_found", param="model",
                     ) from None
-                engine = served.engine
-                if threaded:
-                    prompt_ids = await asyncio.to_thread(render_prompt, engine.tokenizer, req)
-                else:
-                    prompt_ids = render_prompt(engine.tokenizer, req)
-                params = sampling_params(req, len(prompt_ids), engine.max_context)
-                return served, prompt_ids, await generate(engine, served.adapter, prompt_ids, params)
+                except CheckpointError as exc:  # a step whose checkpoint is damaged; the message offers another
+                    raise ApiError(409, str(exc), "checkpoint_damaged", param="model") from None
+                try:
+                    engine = served.engine
+                    if threaded:
+                        prompt_ids = await asyncio.to_thread(render_prompt, engine.tokenizer, req)
+                    else:
+                        prompt_ids = render_prompt(engine.tokenizer, req)
+                    params = sampling_params(req, len(prompt_ids), engine.max_context)
+                    return served, prompt_ids, await generate(engine, served.adapter, prompt_ids, params)
+                finally:
+                    if served.release is not None:
+                        await asyncio.shield(served.release())
 
         served, prompt_ids, samples = await _unless_disconnected(request, serve())
-        body = completion(served.name, prompt_ids, samples, req, served.engine.tokenizer)
-        if req.stream:  # generated whole, sent as chunks (server/stream.py)
-            usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(sse_events(stream_chunks(body, usage)), media_type="text/event-stream")
-        return JSONResponse(body)
+        size = sum(len(s.token_ids) for s in samples) * (1 + (req.top_logprobs or 0))
+        if threaded or size > _THREADED_RESPONSE_TOKENS:
+            return await asyncio.to_thread(_response, served, prompt_ids, samples, req)
+        return _response(served, prompt_ids, samples, req)
 
     return Starlette(
         routes=[
@@ -124,6 +133,23 @@ def create_app(
         ],
         exception_handlers=error_handlers(),
     )
+
+
+def _validated(body: object) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _response(served: ServedModel, prompt_ids: list[int], samples: list[Sample], req: ChatCompletionRequest) -> Response:
+    """The HTTP response: the completion body, serialised here (JSON or, for `stream`, the SSE chunks)."""
+    body = completion(served.name, prompt_ids, samples, req, served.engine.tokenizer)
+    if req.stream:  # generated whole, sent as chunks (server/stream.py)
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(sse_events(stream_chunks(body, usage)), media_type="text/event-stream")
+    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
+                    media_type="application/json")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -130,7 +130,7 @@ def _choice(index: int, sample: Sample, req: ChatCompletionRequest, tokenizer: A
     content, ids, logprobs, stopped = _cut_at_stop(tokenizer, sample, req.stop or [])
     finish_reason = "stop" if stopped else sample.finish_reason
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if req.offered_tools():
+    if req.parses_tool_calls:  # not offered_tools(): that copies every tool, and this runs per choice
         content, calls = parse_tool_calls(content)
         if calls:
             message = {"role": "assistant", "content": content or None, "tool_calls": calls}

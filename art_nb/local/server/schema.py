@@ -15,9 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from art_nb.trajectories import template_message
 from art_nb.web import ApiError
 
-__all__ = ["ChatCompletionRequest", "validation_error"]
+__all__ = ["MAX_STOP", "MAX_STOP_CHARS", "MAX_TOOLS", "ChatCompletionRequest", "validation_error"]
 
 _MAX_N = 256
+# Work per request grows with these (the prompt renders every tool; the engine checks every stop string
+# after every token, over a tail as long as the longest one), so they are bounded: 150,000 tools held
+# the event loop for 30 s, 700,000 stop strings slowed another client's request from 0.4 s to 17.8 s.
+# Far above real use: OpenAI's API takes 128 tools and 4 stop strings.
+MAX_TOOLS = 512
+MAX_STOP = 64
+MAX_STOP_CHARS = 1024
 
 
 class _Function(BaseModel):
@@ -89,12 +96,12 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP} strings of {MAX_STOP_CHARS} characters")
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch and vLLM seed generators take
-    tools: list[_Tool] | None = None
+    tools: list[_Tool] | None = Field(None, description=f"at most {MAX_TOOLS}")
     tool_choice: str | dict[str, Any] | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None  # {"include_usage": true} adds a usage chunk
@@ -122,12 +129,22 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("token ids are integers from 0 to 2**31 - 1")
         return ids
 
+    @field_validator("stop", "tools", mode="before")
+    @classmethod
+    def _bounded_count(cls, value: Any, info: ValidationInfo) -> Any:
+        limit = MAX_STOP if info.field_name == "stop" else MAX_TOOLS  # counted before each item is validated
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} are accepted, got {len(value):,}")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("top_logprobs")
@@ -173,18 +190,24 @@ class ChatCompletionRequest(BaseModel):
                              "change the logprobs training uses); ask for the format in the prompt and parse the reply")
         return value
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether tools are offered, so the reply's tool calls are parsed (tool_choice="none" hides them)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def offered_tools(self) -> list[dict[str, Any]] | None:
-        """The tools to show the model; tool_choice="none" hides them (and no calls are parsed)."""
-        if not self.tools or self.tool_choice == "none":
+        """The tools to show the model (a copy of each: call once per request, it grows with the body)."""
+        if not self.parses_tool_calls:
             return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
 
-def validation_error(exc: ValidationError) -> ApiError:
-    """One 400 naming every bad field ("messages.0.role: Input should be ...")."""
+def validation_error(exc: ValidationError, under: str = "") -> ApiError:
+    """One 400 naming every bad field ("messages.0.role: Input should be ..."), as a field of `under`
+    when given (a register's "config.cpu_threads: Input should be less than or equal to 1024")."""
     parts, first_param = [], None
     for err in exc.errors():
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = ".".join(str(p) for p in (under, *err["loc"]) if p != "") or None
         first_param = first_param or param
         message = err["msg"].removeprefix("Value error, ")
         parts.append(f"{param}: {message}" if param else message)

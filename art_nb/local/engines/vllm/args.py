@@ -38,9 +38,10 @@ __all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "plan
 _log = logging.getLogger("art_nb")
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts for max_lora_rank
 # Adapters resident on the accelerator at once: the newest step, plus an older one a rollout may
-# still ask for by "{name}@{step}" while the swap happens.
+# still ask for by "{name}@{step}" while the swap happens. vLLM's host cache (max_cpu_loras) holds
+# what the runtime keeps loaded, `ModelConfig.max_loaded_adapters` (adapters.py), so neither evicts
+# what the other still counts on (it is at least 2, so max_cpu_loras >= max_loras, as vLLM requires).
 _MAX_LORAS = 2
-_MAX_CPU_LORAS = 4
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -81,7 +82,7 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
         enable_lora=True,
         max_lora_rank=next((r for r in _LORA_RANKS if r >= config.lora.rank), _LORA_RANKS[-1]),
         max_loras=_MAX_LORAS,
-        max_cpu_loras=_MAX_CPU_LORAS,
+        max_cpu_loras=config.max_loaded_adapters,
         enable_prefix_caching=True,
         logprobs_mode="raw_logprobs",
         disable_log_stats=True,
