@@ -641,7 +641,7 @@ def _() -> None:
     accepts(art.LocalBackend.close, object())
 
 
-# ---- not built yet: import works, use names what is missing --------------------------------------------
+# ---- RULER, LangGraph, MCP -----------------------------------------------------------------
 
 @check("ruler_score_group(group, judge_model, ...) with ART's signature")
 def _() -> None:
@@ -653,16 +653,30 @@ def _() -> None:
     assert len(run(ruler_score_group(art.TrajectoryGroup([]), "openai/o4-mini"))) == 0
 
 
-@check("art.langgraph.init_chat_model(...) raises a clear error")
+@check("wrap_rollout(model, rollout)(...) and init_chat_model(model.get_inference_name(), temperature=1.0) inside it")
 def _() -> None:
-    from art_nb.langgraph import init_chat_model
+    from art_nb.langgraph import init_chat_model, wrap_rollout
 
-    try:
-        init_chat_model()
-    except NotImplementedError as error:
-        assert "langgraph" in str(error).lower()
-        return
-    raise AssertionError("expected NotImplementedError")
+    model = art.Model(name="agent", inference_base_url="http://127.0.0.1:9/v1", inference_api_key="k")
+
+    async def rollout(model: art.Model, scenario: str) -> art.Trajectory:
+        chat_model = init_chat_model(model.get_inference_name(), temperature=1.0)
+        return art.Trajectory(messages_and_choices=[], reward=0.0, metadata={"model": chat_model.model_name,
+                                                                             "url": chat_model.openai_api_base})
+
+    traj = run(wrap_rollout(model, rollout)(model, "s"))
+    assert traj.metadata == {"model": "agent", "url": "http://127.0.0.1:9/v1"}
+    accepts(init_chat_model, None, model_provider=None, configurable_fields=None, config_prefix=None,
+            chat_model=None, timeout_seconds=60.0, temperature=1.0)
+
+
+@check("generate_scenarios(tools, resources, num_scenarios=, show_preview=, custom_instructions=, generator_*=)")
+def _() -> None:
+    from art_nb.mcp import MCPTool, generate_scenarios
+
+    accepts(generate_scenarios, [MCPTool("t", "d", {})], [], num_scenarios=24, show_preview=True,
+            custom_instructions="x", generator_model="openai/gpt-4.1-mini", generator_api_key="k",
+            generator_base_url="https://openrouter.ai/api/v1")
 
 
 def main() -> int:
