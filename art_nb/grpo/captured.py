@@ -13,11 +13,13 @@ append-only as text: the earlier ids stay as sampled and the new call's ids cont
 token boundary where its text has covered the earlier text. Counted as `template_fallbacks`.
 
 Refused, with a message that names the call and shows where the histories part:
-- a call whose prompt does not extend the history (a chat template that rewrites earlier turns,
-  e.g. Qwen3 dropping earlier `<think>` blocks; a client that edits or truncates the conversation);
+- a call whose prompt does not extend the history (a client that edits, reorders or truncates the
+  conversation, or swaps its system prompt; with `ModelConfig(assistant_turns="rendered")`, also a
+  chat template that rewrites earlier turns, e.g. Qwen3 dropping earlier `<think>` blocks: by
+  default art_nb's endpoint gives a turn it sampled back as the sampled ids, local/server/turns.py);
   pick one branch (`trajectory.exchanges = trajectory.exchanges[k:]`) to train on what is left;
 - a call with several choices that is not followed by a call continuing exactly one of them (a
-  branch); for the last call only `n=1` is accepted;
+  branch; choices with the very same ids count as one); for the last call only `n=1` is accepted;
 - calls to different models in one trajectory (use `art.no_capture()` around the other model).
 
 A reply cut at a stop string (`stop=[...]` in the request) is the one accepted rewrite: the server
@@ -150,6 +152,9 @@ def _chosen(tokenizer: Any, calls: list[CapturedCall], k: int, history: list[int
         return keep is not None and _extends(tokenizer, history + c.token_ids[:keep], following)
 
     matches = [c for c in choices if continued(c)]
+    exact = [c for c in matches if following[: len(history) + len(c.token_ids)] == history + c.token_ids]
+    if len({tuple(c.token_ids) for c in exact}) == 1:  # continued by its very ids; identical samples are one
+        matches = exact[:1]
     if len(matches) != 1:
         raise CaptureRefused(f"captured call {k} sampled {len(choices)} choices and call {k + 1} continues "
                              f"{len(matches)} of them: a branch; keep the calls of one branch "
@@ -188,6 +193,9 @@ def _divergence(k: int, old: str, new: str) -> str:
             f"tokens it sampled), so no single sequence holds both exactly. They part at character {at}:\n"
             f"  history so far: {old[lo:at + _SHOW]!r}\n"
             f"  call {k}'s prompt:  {new[lo:at + _SHOW]!r}\n"
-            "Usual cause: the chat template rewrites earlier turns (e.g. drops earlier <think> blocks), or the "
-            "agent edited or truncated its conversation. To train on one branch, keep only the calls that extend "
+            "Usual cause: the agent edited, reordered or truncated its conversation, or changed its system prompt "
+            "(art_nb's endpoint gives back a turn it sampled as the sampled ids only while the client sends that "
+            "turn and everything before it unchanged); with ModelConfig(assistant_turns='rendered'), also a chat "
+            "template that rewrites earlier turns (e.g. drops earlier <think> blocks). To train on one branch, keep "
+            "only the calls that extend "
             f"each other, e.g. `trajectory.exchanges = trajectory.exchanges[{k}:]`.")

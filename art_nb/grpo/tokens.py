@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..tool_prompt import template_inputs
 from ..trajectories import Choice, History, Trajectory, template_message
 from .captured import captured_sequence
 
@@ -124,9 +125,10 @@ class _Walk:
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         if not messages:  # a trajectory that opens with a Choice; templates reject empty conversations
             return ""
-        return self.tokenizer.apply_chat_template(
-            [template_message(m) for m in messages], tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
+        # Tools as the endpoint showed them: the template's own rendering, or art_nb's Hermes-style text
+        shown, tools = template_inputs(self.tokenizer, [template_message(m) for m in messages], self.tools)
+        return self.tokenizer.apply_chat_template(shown, tools=tools, add_generation_prompt=generation_prompt,
+                                                  tokenize=False)
 
     def encode(self, text: str) -> list[int]:
         # Rendered templates already contain their special tokens (BOS included where the template

@@ -26,6 +26,7 @@ from art_nb.grpo.captured import CaptureRefused
 from art_nb.grpo.tokens import tokenize_trajectory
 from art_nb.local.engines.base import GenerationRequest, Sample
 from art_nb.local.server import InferenceGate, ServedModel, create_app, start_server
+from art_nb.local.server.turns import configure
 from tests.conftest import CHATML_TEMPLATE, build_chatml_tokenizer, char_ids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -74,7 +75,12 @@ class Registry:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def server() -> AsyncIterator[Any]:
     plain, thinking = build_chatml_tokenizer(), build_chatml_tokenizer(THINK_STRIPPING)
-    engines = {"agent": Engine(plain), "judge": Engine(plain), "thinker": Engine(thinking)}
+    # "-rendered": ModelConfig(assistant_turns="rendered"), every prompt the template's whole rendering
+    rendered, thinking_rendered = build_chatml_tokenizer(), build_chatml_tokenizer(THINK_STRIPPING)
+    for tokenizer in (rendered, thinking_rendered):
+        configure(tokenizer, "rendered", 0)
+    engines = {"agent": Engine(plain), "judge": Engine(plain), "thinker": Engine(thinking),
+               "agent-rendered": Engine(rendered), "thinker-rendered": Engine(thinking_rendered)}
     running = await start_server(create_app(Registry(engines), InferenceGate(), api_key=KEY))
     running.engines = engines
     yield running
@@ -231,28 +237,44 @@ async def test_mixed_models_are_refused(srv: Any) -> None:
     await client.close()
 
 
-async def test_a_template_that_drops_think_is_refused_naming_the_call(srv: Any) -> None:
-    srv.engines["thinker"].script = lambda prompt: "<think>plan it</think>four"
+async def test_a_template_that_drops_think_trains_exactly_and_rendered_turns_are_refused_naming_the_call(
+        srv: Any) -> None:
+    for name in ("thinker", "thinker-rendered"):
+        srv.engines[name].script = lambda prompt: "<think>plan it</think>four"
     t = await art.trajectory(two_turns_openai(srv, model="thinker"))
+    seq = tokenize_trajectory(srv.engines["thinker"].tokenizer, t, 10_000)  # the sampled turn came back as sampled
+    assert seq.template_fallbacks == 0
+    assert [i for i, m in zip(seq.input_ids, seq.assistant_mask) if m] == [i for ids in srv.engines["thinker"].sampled
+                                                                          for i in ids]
+    t = await art.trajectory(two_turns_openai(srv, model="thinker-rendered"))
     with pytest.raises(CaptureRefused) as refused:
-        tokenize_trajectory(srv.engines["thinker"].tokenizer, t, 10_000)
+        tokenize_trajectory(srv.engines["thinker-rendered"].tokenizer, t, 10_000)
     message = str(refused.value)
     assert "captured call 1's prompt does not extend" in message and "<think>plan it</think>" in message
     assert "trajectory.exchanges = trajectory.exchanges[1:]" in message
     t.exchanges = t.exchanges[1:]  # the user picks one branch: the last call alone trains
-    assert tokenize_trajectory(srv.engines["thinker"].tokenizer, t, 10_000).trainable_tokens > 0
+    assert tokenize_trajectory(srv.engines["thinker-rendered"].tokenizer, t, 10_000).trainable_tokens > 0
 
 
-async def test_non_canonical_sampled_ids_stay_as_sampled(srv: Any) -> None:
-    srv.engines["agent"].by_chars = True  # the server re-encodes the text it gets back differently
+async def test_non_canonical_sampled_ids_come_back_as_sampled(srv: Any) -> None:
+    srv.engines["agent"].by_chars = True  # the text re-encodes differently; the next prompt holds the ids
     t = await art.trajectory(two_turns_openai(srv))
-    tok = srv.engines["agent"].tokenizer
+    first = t.exchanges[0].prompt_token_ids + t.exchanges[0].choices[0].token_ids
+    assert t.exchanges[1].prompt_token_ids[: len(first)] == first
+    seq = tokenize_trajectory(srv.engines["agent"].tokenizer, t, 10_000)
+    assert seq.retokenized_choices == 0 and seq.template_fallbacks == 0
+
+
+async def test_non_canonical_sampled_ids_stay_as_sampled_when_turns_are_rendered(srv: Any) -> None:
+    srv.engines["agent-rendered"].by_chars = True  # the server re-encodes the text it gets back differently
+    t = await art.trajectory(two_turns_openai(srv, model="agent-rendered"))
+    tok = srv.engines["agent-rendered"].tokenizer
     assert t.exchanges[1].prompt_token_ids[: len(t.exchanges[0].prompt_token_ids) + 2] != (
         t.exchanges[0].prompt_token_ids + t.exchanges[0].choices[0].token_ids)[: len(t.exchanges[0].prompt_token_ids) + 2]
     seq = tokenize_trajectory(tok, t, 10_000)
     assert seq.retokenized_choices == 0 and seq.template_fallbacks == 1
-    assert [i for i, m in zip(seq.input_ids, seq.assistant_mask) if m] == [i for ids in srv.engines["agent"].sampled
-                                                                          for i in ids]
+    assert [i for i, m in zip(seq.input_ids, seq.assistant_mask) if m] == [
+        i for ids in srv.engines["agent-rendered"].sampled for i in ids]
     assert tok.decode(seq.input_ids) == tok.decode(t.exchanges[1].prompt_token_ids + t.exchanges[1].choices[0].token_ids)
 
 

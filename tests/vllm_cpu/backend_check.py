@@ -8,7 +8,9 @@ state torn down (as 0.32's shutdown does; 0.11.2's leaves it), on the engine's o
 crash inside it would leave it) while three requests are decoding, so the next step() raises, all
 three fail with EngineDeadError, and `dead_reason` turns non-None. What vLLM's error tells the user,
 "re-register the model", must then work: `register` on the same backend replaces the engine and a
-chat completion through the model's OpenAI client succeeds. Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
+chat completion through the model's OpenAI client succeeds. Before the kill and once the new engine
+serves, a two-turn conversation checks that the second prompt vLLM is given begins with the first
+prompt + the ids it sampled (server/turns.py). Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         return await model.openai_client().chat.completions.create(
             model=model.get_inference_name(), messages=PROMPT, max_tokens=8, temperature=0.0)
 
+    async def two_turns() -> dict[str, Any]:
+        """Whether the second prompt vLLM is given begins with the first prompt + the ids it sampled."""
+        client = model.openai_client()
+        first = await client.chat.completions.create(model=model.get_inference_name(), messages=PROMPT, max_tokens=8)
+        reply = first.choices[0]
+        messages = [*PROMPT, {"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "More."}]
+        second = await client.chat.completions.create(model=model.get_inference_name(), messages=messages, max_tokens=4)
+        head = first.model_extra["prompt_token_ids"] + reply.model_extra["token_ids"]
+        return {"extends": second.model_extra["prompt_token_ids"][: len(head)] == head, "sampled": len(head)}
+
     backend = art.LocalBackend(path=work)
     config = art.ModelConfig(engine="vllm", trainer="peft", max_seq_len=512, max_batch_size=8,
                              lora=art.LoraConfig(rank=8, alpha=16))
@@ -47,6 +59,7 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         save("engine", type(first).__name__)
         before = await chat()
         save("served_before", {"model": before.model, "text": before.choices[0].message.content})
+        save("two_turns_before", await two_turns())
 
         # Requests in flight when vLLM dies: the step that raises fails every one of them.
         from art_nb.local.engines.base import EngineDeadError, GenerationRequest, SamplingParams
@@ -83,6 +96,7 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         after = await chat()
         save("served_after", {"model": after.model, "text": after.choices[0].message.content,
                               "finish_reason": after.choices[0].finish_reason})
+        save("two_turns_after", await two_turns())  # the new engine's tokenizer keeps sampled turns too
     finally:
         await backend.close()
     save("closed", True)

@@ -35,3 +35,9 @@ def test_registering_again_replaces_a_dead_vllm_engine(revived):
     assert revived["dead_reason"] in revived["choices"]["engine_restart"]
     after = revived["served_after"]
     assert after["model"] == "revive@0" and after["text"] and after["finish_reason"] in ("stop", "length")
+
+
+def test_vllm_is_given_the_sampled_ids_of_the_previous_turn(revived):
+    """The endpoint computes prompt ids before the engine: vLLM gets the same token-in/token-out prompts,
+    from the first engine and from the one register started in its place."""
+    assert revived["two_turns_before"]["extends"] and revived["two_turns_after"]["extends"], revived["_log_tail"]

@@ -2,6 +2,9 @@
 
 - `schema`: the request body, validated, with a 400 naming what to send instead;
 - `pipeline`: render prompt -> sampling params -> generate -> cut at stop -> tool calls -> choice;
+- `turns`: earlier turns this endpoint sampled go back to the model as their sampled ids;
+- `prompt`: the chat template's rendering, special-token text in client strings kept as text;
+- `templates`: a served model's chat template, tool style and turn setting, set at register;
 - `toolcalls`: Hermes/Qwen `<tool_call>` blocks into OpenAI `tool_calls`;
 - `gate`: `InferenceGate`, the backend's pause/resume around a train step;
 - `app`: `create_app`, the routes over a backend's `ModelRegistry`;

@@ -1,5 +1,6 @@
-"""One chat completion, from a validated request to the response body: render the prompt with the
-model's chat template (`prompt`), derive sampling parameters, generate, cut each sample at its stop string,
+"""One chat completion, from a validated request to the response body: the prompt (`turns`: earlier
+turns this endpoint sampled as the ids it sampled, the rest rendered by the model's chat template,
+`prompt`), derive sampling parameters, generate, cut each sample at its stop string,
 parse tool calls, and answer in the ChatCompletion format plus what training needs:
 
 - every choice carries `token_ids`, the completion ids exactly as sampled (EOS included when the
@@ -33,9 +34,9 @@ from ..engines.base import (
     Sample,
     SamplingParams,
 )
-from .prompt import render_prompt
 from .schema import ChatCompletionRequest
 from .toolcalls import parse_tool_calls
+from .turns import remember, render_prompt
 
 __all__ = ["completion", "generate", "render_prompt", "sampling_params"]
 
@@ -87,6 +88,7 @@ def completion(
 ) -> dict[str, Any]:
     """The ChatCompletion body for `samples`, with `token_ids` per choice and `prompt_token_ids`."""
     choices = [_choice(i, sample, req, tokenizer) for i, sample in enumerate(samples)]
+    remember(tokenizer, req, prompt_ids, choices)  # the next turn starts from these ids (turns.py)
     completion_tokens = sum(len(c["token_ids"]) for c in choices)
     return {
         "id": f"{_ID_PREFIX}{next(_ID_COUNTER):016x}",

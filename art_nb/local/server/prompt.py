@@ -18,6 +18,12 @@ before.
 
 `allow_special_tokens_in_content: true` in the request opts out, for clients that put control
 tokens into content on purpose (say, a raw few-shot transcript).
+
+Tools, tool calls and tool results are shown as `art_nb.tool_prompt` decides (the template's own
+rendering, or the Hermes-style fallback written after the swap, so its markers are the template's);
+a template that rejects them or does not show the tools gets a 400 naming why. `render_whole` is
+the whole conversation's ids; `render_text` is the text with a tokeniser for any part of it, which
+`turns.py` uses to render only what follows a turn it gives back as sampled ids.
 """
 
 from __future__ import annotations
@@ -25,14 +31,16 @@ from __future__ import annotations
 import re
 import secrets
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
+from art_nb.tool_prompt import template_inputs, tool_style, tools_missing
 from art_nb.web import ApiError
 
 from .encode import encode
 from .schema import ChatCompletionRequest
 
-__all__ = ["render_prompt", "special_token_texts"]
+__all__ = ["Rendered", "render_text", "render_whole", "special_token_texts"]
 
 _PATTERNS: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = weakref.WeakKeyDictionary()
 
@@ -51,38 +59,75 @@ def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     return _PATTERNS[tokenizer]
 
 
-def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+def render_whole(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     """Prompt ids for `req`: the chat template's rendering with the generation prompt, tokenised
     with control tokens only where the template wrote them (see the module docstring)."""
+    rendered = render_text(tokenizer, req)
+    return rendered.ids(rendered.text)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A request's prompt as the template wrote it, with client strings' special-token text swapped
+    for `sentinel` + index (`swapped` holds the originals); `ids` tokenises any part of `text` that
+    does not cut through a swapped piece."""
+
+    tokenizer: Any
+    text: str
+    sentinel: str
+    swapped: tuple[str, ...]
+
+    def ids(self, text: str) -> list[int]:
+        if not self.swapped:
+            return _encode(self.tokenizer, text)
+        ids: list[int] = []
+        pieces = re.split(f"{self.sentinel}(\\d+)E", text)  # text, index, text, index, ..., text
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += _encode(self.tokenizer, piece)
+            else:
+                ids += _encode(self.tokenizer, self.swapped[int(piece)], as_text=True)
+        return ids
+
+
+def render_text(tokenizer: Any, req: ChatCompletionRequest, replace: tuple[int, dict[str, Any]] | None = None
+                ) -> Rendered:
+    """The template's text for `req`'s messages (with message `replace[0]` replaced by `replace[1]`,
+    a message as templates take it), its tools shown as `art_nb.tool_prompt` decides; a 400 when the
+    template rejects them or does not show the tools."""
     messages = [m.for_template() for m in req.messages]
+    if replace is not None:
+        messages[replace[0]] = replace[1]
     tools = req.offered_tools()
     pattern = None if req.allow_special_tokens_in_content else _special_pattern(tokenizer)
-    if pattern is None:
-        return _encode(tokenizer, _render(tokenizer, messages, tools))
     swapped: list[str] = []
     sentinel = ""  # drawn at the first swap: nearly no request needs one, and os.urandom costs the GIL
+    if pattern is not None:
+        def swap(text: str) -> str:
+            def one(match: re.Match[str]) -> str:
+                nonlocal sentinel
+                sentinel = sentinel or f"ARTNB{secrets.token_hex(8)}S"
+                swapped.append(match.group())
+                return f"{sentinel}{len(swapped) - 1}E"
 
-    def swap(text: str) -> str:
-        def one(match: re.Match[str]) -> str:
-            nonlocal sentinel
-            sentinel = sentinel or f"ARTNB{secrets.token_hex(8)}S"
-            swapped.append(match.group())
-            return f"{sentinel}{len(swapped) - 1}E"
+            return pattern.sub(one, text)
 
-        return pattern.sub(one, text)
-
-    messages, tools = _map_strings(messages, swap), _map_strings(tools, swap)
-    text = _render(tokenizer, messages, tools)
-    if not swapped:
-        return _encode(tokenizer, text)
-    ids: list[int] = []
-    pieces = re.split(f"{sentinel}(\\d+)E", text)  # text, index, text, index, ..., text
-    for i, piece in enumerate(pieces):
-        if i % 2 == 0:
-            ids += _encode(tokenizer, piece)
-        else:
-            ids += _encode(tokenizer, swapped[int(piece)], as_text=True)
-    return ids
+        messages, tools = _map_strings(messages, swap), _map_strings(tools, swap)
+    # After the swap: the tool instructions art_nb writes are the template's own text, not the client's.
+    shown, shown_tools = template_inputs(tokenizer, messages, tools)
+    try:
+        text = _render(tokenizer, shown, shown_tools)
+    except ApiError as exc:
+        if shown is messages:
+            raise
+        raise ApiError(400, f"{exc.message} (the template does not show tools itself, so art_nb wrote them, the "
+                       "tool calls and the tool results as text: the tools into a system message, the results "
+                       "into user messages; pass ModelConfig(chat_template=...) with a template that shows "
+                       "tools)", param="tools" if tools else "messages") from exc
+    missing = tools_missing(text, tools, tool_style(tokenizer)) if tools else None
+    if missing:
+        raise ApiError(400, missing, param="tools")
+    return Rendered(tokenizer, text, sentinel, tuple(swapped))
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
