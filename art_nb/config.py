@@ -143,6 +143,21 @@ class ModelConfig(BaseModel):
         4, ge=2, le=256, description="adapters kept loaded for serving: the served step and the older steps asked "
         "for as name@step, least recently used out first (loaded again from disk when asked for); vLLM keeps as "
         "many in host memory (its max_cpu_loras)")
+    chat_template: str | None = Field(
+        None, max_length=1_000_000, description="a Jinja chat template used instead of the base model's, by the "
+        "endpoint and the trainer alike (ART's _internal_config.chat_template maps here); None: the tokenizer's own")
+    assistant_turns: Literal["sampled", "rendered"] = Field(
+        "sampled", description="how an earlier assistant turn this endpoint sampled is given to the model in a "
+        "later request. 'sampled' (the default): as the very ids it sampled, with only what follows it rendered by "
+        "the chat template, so a multi-turn rollout's prompts extend each other exactly whatever the template does "
+        "to tool calls, whitespace or <think> blocks, and what is trained is what was sampled; a turn the client "
+        "edited is rendered. 'rendered': the whole conversation rendered by the template and tokenised again "
+        "each time, as most OpenAI-compatible servers do (a re-tokenised reply can split differently from how it "
+        "was sampled)")
+    turn_cache_tokens: int = Field(
+        1 << 24, ge=0, le=1 << 31, description="token ids the endpoint keeps of sampled turns for "
+        "assistant_turns='sampled' (4 bytes each; least recently used dropped first); a turn no longer kept is "
+        "rendered")
 
 
 class TrainConfig(BaseModel):

@@ -118,7 +118,8 @@ class InternalModelConfig(TypedDict, total=False):
     tinker_args: TinkerArgs | None
     trainer_gpu_ids: list[int]
     inference_gpu_ids: list[int]
-    chat_template: str
+    chat_template: str  # ModelConfig.chat_template
+    chat_template_path: str  # a file holding it
     chat_template_kwargs: dict[str, Any]
 
 

@@ -14,6 +14,7 @@ nothing and is not reported.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .config import LOSSES, LoraConfig, ModelConfig, TrainConfig, canonical_loss, loss_choices, report_ignored
@@ -132,6 +133,16 @@ def model_config(base: ModelConfig, internal: Mapping[str, Any] | None, lora: Ma
     take("lora_config", lora, {
         "rank": ("lora", "rank"), "alpha": ("lora", "alpha"), "dropout": ("lora", "dropout"),
         "target_modules": ("lora", "target_modules")})
+    template = internal.pop("chat_template", None)
+    template_path = internal.pop("chat_template_path", None)
+    if template is None and template_path is not None:  # ART: a file holding the template
+        try:
+            template = Path(template_path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"_internal_config.chat_template_path={template_path!r} cannot be read ({exc}); pass "
+                             "the template's text as _internal_config.chat_template instead") from exc
+    if template is not None:
+        fields["chat_template"] = template
     for key, value in internal.items():
         if value is not None:
             ignored[f"_internal_config.{key}"] = ("per-step knobs are TrainConfig's" if key == "trainer_args"

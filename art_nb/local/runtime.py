@@ -206,6 +206,9 @@ class Runtime:
             # resident trainer would be counted twice (the plan budgets it too).
             with planned_memory(self.snapshots.get(key)):
                 engine = await _create_engine(state.plan, Path(key[0]), state.config)
+            from .server.templates import apply_prompt_config
+
+            apply_prompt_config(engine.tokenizer, None, state.config, state.model_name)
             self.engines[key] = engine
             for other in self.models.values():
                 if other.engine is dead:
@@ -248,6 +251,9 @@ class Runtime:
                 started = engine_key
                 if snapshot is not None:
                     self.snapshots[engine_key] = snapshot
+            from .server.templates import apply_prompt_config
+
+            choices.update(apply_prompt_config(engine.tokenizer, trainer.tokenizer, model.backend_config, model.name))
             state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine,
                                trainer, await self._start_from(store, model.base_model, trainer, clock, choices), choices)
             if state.step > 0:
