@@ -18,13 +18,14 @@ from art_nb.web import ApiError
 __all__ = ["MAX_STOP", "MAX_STOP_CHARS", "MAX_TOOLS", "ChatCompletionRequest", "validation_error"]
 
 _MAX_N = 256
-# Work per request grows with these (the prompt renders every tool; the engine checks every stop string
-# after every token, over a tail as long as the longest one), so they are bounded: 150,000 tools held
-# the event loop for 30 s, 700,000 stop strings slowed another client's request from 0.4 s to 17.8 s.
-# Far above real use: OpenAI's API takes 128 tools and 4 stop strings.
+# Work per request grows with these: the prompt renders every tool, and the engine checks every stop
+# string after every token, decoding a tail as long as the longest one (per row of a batch other clients
+# share: 1.3 ms a token at 1,024 characters, 0.3 ms at 256, SmolLM2's tokenizer). Unbounded, 150,000 tools
+# held the event loop for 30 s and 700,000 stop strings slowed another client's request from 0.4 s to
+# 17.8 s. Far above real use: OpenAI's API takes 128 tools and 4 stop strings.
 MAX_TOOLS = 512
 MAX_STOP = 64
-MAX_STOP_CHARS = 1024
+MAX_STOP_CHARS = 256
 
 
 class _Function(BaseModel):
