@@ -5,15 +5,32 @@ executed notebook show, where no widget renders) is the text it had when it was 
 "0%". `progress_bar` returns tqdm.auto's bar, except in a notebook, where the bar is displayed
 through a display id and its text is replaced by the final one when it closes ("24/24 [00:41<00:00,
 reward=0.31]"), next to the same live widget. Nothing is patched: callers ask for this bar.
+
+Other libraries' bars are asked off while register sends their output to its log (local/quiet.py):
+in a notebook they are widgets, which no stream redirect catches, so each is turned off through its
+own switch, and `library_bars()` is that switch's value for vLLM (`use_tqdm_on_load`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["progress_bar"]
+__all__ = ["library_bars", "progress_bar", "set_library_bars"]
 
 _WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+_library_bars = True
+
+
+def library_bars() -> bool:
+    """Whether other libraries may draw their own progress bars now (not while a register is quiet)."""
+    return _library_bars
+
+
+def set_library_bars(on: bool) -> bool:
+    """Let other libraries draw bars or not; the previous value, to put back."""
+    global _library_bars
+    previous, _library_bars = _library_bars, on
+    return previous
 
 
 def progress_bar(*args: Any, **kwargs: Any) -> Any:
