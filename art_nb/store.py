@@ -4,6 +4,7 @@
         checkpoints/{step:04d}/   adapter_model.safetensors, adapter_config.json, trainer_state.pt, meta.json
         history.jsonl             one line per logged step (metrics), appended before the step trains
         trajectories/{split}/{step:04d}.jsonl
+        logs/register.log         what vLLM, Unsloth, transformers... printed while it registered (appended)
         wandb_run_id              the W&B run this model logs to, so a restarted kernel continues it
         serverless.json           the hosted training job being followed (ServerlessBackend)
         .writer.lock              held by the one process that writes here
@@ -68,6 +69,7 @@ __all__ = [
     "model_dir",
     "model_subpath",
     "read_jsonl",
+    "register_log_path",
     "relative_text",
     "staging_path",
     "trajectory_files",
@@ -170,6 +172,11 @@ def checkpoint_path(checkpoints: Path, step: int) -> Path:
 def _check_step(step: int) -> None:
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be from 0 to {MAX_STEP:,}, got {str(step)[:30]}")
+
+
+def register_log_path(model_dir: Path) -> Path:
+    """The log that register's third-party output goes to, under a model directory (local/quiet.py)."""
+    return model_dir / "logs" / "register.log"
 
 
 def trajectory_files(model_dir: Path) -> list[tuple[str, int, Path]]:

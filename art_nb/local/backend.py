@@ -28,10 +28,11 @@ from art_nb.backend import sft_inputs, train_inputs
 from art_nb.config import TrainConfig, report_ignored
 from art_nb.sft_config import TrainSFTConfig
 from art_nb.store import model_dir as store_model_dir
+from art_nb.store import register_log_path
 from art_nb.trajectories import Trajectory, TrajectoryGroup
 from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult, inference_name
 
-from . import s3
+from . import quiet, s3
 from .loop import BackgroundLoop
 from .phases import phase_bar
 from .runtime import forget, runtime_for
@@ -48,16 +49,23 @@ class LocalBackend:
     """Serve and train in this process. `path` is where checkpoints and logs go.
 
     The inference server binds to 127.0.0.1 on a free port; binding elsewhere requires `api_key`.
+    What vLLM, Unsloth, transformers and torch print while a model registers goes to the model's
+    `logs/register.log` (its path is printed; a failed register shows its last lines), and so do
+    their notices until the first train step ends (quiet.py); `verbose=True` shows all of it where
+    it was printed. A switch of the backend, not of `ModelConfig`: it changes how this process
+    shows the work, not the model (a config that differs makes a re-register an error, and a
+    remote backend has no cell to keep quiet).
     ART's arguments are accepted: `in_process` (art_nb always runs in this process) and
     `gpu_cost_per_hour_usd` (no cost accounting here; reported once).
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, in_process: bool = True,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 gpu_cost_per_hour_usd: float | None = None) -> None:
+                 gpu_cost_per_hour_usd: float | None = None, verbose: bool = False) -> None:
         if gpu_cost_per_hour_usd is not None:
             report_ignored({"gpu_cost_per_hour_usd": "art_nb records no costs"}, "LocalBackend")
         self.path = Path(".art" if path is None else path).expanduser().resolve()
+        self.verbose = verbose
         self._runtime = runtime_for(self.path, host, port, api_key)
 
     def __repr__(self) -> str:
@@ -95,12 +103,25 @@ class LocalBackend:
         if not model.trainable:
             self._runtime.register_for_logging(model)
             return
-        if self._runtime.registered(model):  # a re-run cell: nothing loads, nothing to show
+        registered = self._runtime.registered(model)
+        if registered and self._runtime.state(model).engine.dead_reason is None:  # a re-run cell: nothing loads
             await self.loop.run(self._runtime.register(model))  # type: ignore[arg-type]
             return
+        log = register_log_path(store_model_dir(self.path, model.project, model.name))
+        output = quiet.RegisterOutput(log, self.path, f"{model.project}/{model.name}", verbose=self.verbose)
+        if not self.verbose:
+            print(f"register: third-party output (vLLM, Unsloth, transformers...) goes to {log}")
+        if registered:  # its engine died: a new one starts
+            await self.loop.run(self._runtime.register(model, output=output))  # type: ignore[arg-type]
+            return
         on_phase, close = phase_bar(phases=4)  # base model, engine, trainer, checkpoint: minutes on a GPU
+
+        def phase(name: str) -> None:
+            output.mark(name)
+            on_phase(name)
+
         try:
-            await self.loop.run(self._runtime.register(model, on_phase))  # type: ignore[arg-type]
+            await self.loop.run(self._runtime.register(model, phase, output))  # type: ignore[arg-type]
         finally:
             close()
 
@@ -138,7 +159,10 @@ class LocalBackend:
         after each microbatch. Returns the new step, its metrics and its checkpoint's path."""
         # trajectories changed in place since they were built are checked again
         checked, chosen = train_inputs(groups, config, kwargs, "LocalBackend.train")
-        return await self.loop.run(self._runtime.train(model, checked, chosen, on_progress))
+        try:
+            return await self.loop.run(self._runtime.train(model, checked, chosen, on_progress))
+        finally:
+            quiet.end_first_rollout()
 
     async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
                         config: TrainSFTConfig | None = None, _config: Mapping[str, Any] | None = None,
@@ -155,7 +179,10 @@ class LocalBackend:
             gate = await self._runtime.ensure_server()
             return await sft.train_sft(self._runtime.state(model), gate, items, chosen, on_progress)
 
-        return await self.loop.run(run())
+        try:
+            return await self.loop.run(run())
+        finally:
+            quiet.end_first_rollout()
 
     async def log(self, model: ModelRef, trajectories: Iterable[TrajectoryGroup | Trajectory], split: str = "val",
                   step: int | None = None, metrics: dict[str, float] | None = None) -> dict[str, float]:
@@ -223,6 +250,7 @@ class LocalBackend:
         await self.loop.run(self._close())
 
     async def _close(self) -> None:
+        quiet.end_first_rollout()
         await self._runtime.close()
         forget(self._runtime)
 

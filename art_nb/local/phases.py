@@ -13,9 +13,12 @@ overlap is said, and the total is the wall time, not the sum.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
+
+from .quiet import terminal_copy
 
 __all__ = ["PhaseClock", "phase_bar"]
 
@@ -93,11 +96,14 @@ def phase_bar(phases: int) -> tuple[PhaseCallback, Callable[[], None]]:
     """A progress bar over register's phases, fed from the runtime's thread: (on_phase, close).
 
     The bar is made in the caller's thread (a notebook shows it under the cell that registers);
-    the runtime only calls `on_phase`, which moves it on and names the phase now running.
+    the runtime only calls `on_phase`, which moves it on and names the phase now running. In a
+    console it writes to its own copy of the terminal, which register's log does not take (quiet.py).
     """
     from art_nb.utils.progress import progress_bar  # leaves its final state in a saved notebook
 
-    bar = progress_bar(total=phases, desc="register", bar_format="{desc}: {n}/{total} phases [{elapsed}]{postfix}")
+    stream, release = terminal_copy(sys.stderr)
+    bar = progress_bar(total=phases, desc="register", bar_format="{desc}: {n}/{total} phases [{elapsed}]{postfix}",
+                       file=stream)
     lock = threading.Lock()
     seen = [0]
 
@@ -116,5 +122,6 @@ def phase_bar(phases: int) -> tuple[PhaseCallback, Callable[[], None]]:
                 bar.update(bar.total - bar.n)
                 bar.set_postfix_str("done")
             bar.close()
+            release()
 
     return on_phase, close

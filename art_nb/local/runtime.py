@@ -167,9 +167,13 @@ class Runtime:
     def registered(self, model: ModelRef) -> bool:
         return (model.project, model.name) in self.models
 
-    async def register(self, model: TrainableModelRef, on_phase: PhaseCallback | None = None) -> dict[str, str]:
+    async def register(self, model: TrainableModelRef, on_phase: PhaseCallback | None = None,
+                       output: contextlib.AbstractContextManager[object] | None = None) -> dict[str, str]:
         """Load `model` once, however many registers of it run at once; reuse it afterwards.
-        `on_phase(name)` is called as each loading phase starts (phases.py)."""
+        `on_phase(name)` is called as each loading phase starts (phases.py). `output` is entered around
+        whatever loads (quiet.RegisterOutput: third-party output to the model's log), inside the
+        one-load-at-a-time lock, so two registers never take the process's output at once."""
+        output = output or contextlib.nullcontext()
         await self.ensure_server()
         key = (model.project, model.name)
         async with self._registering.setdefault(key, asyncio.Lock()):
@@ -182,10 +186,12 @@ class Runtime:
                     )
                 if state.engine.dead_reason is not None:
                     async with loading_alone():
-                        await self._replace_engine(state)
+                        with output:
+                            await self._replace_engine(state)
                 return state.choices
             async with loading_alone():
-                state = await self._load(model, PhaseClock(on_phase))
+                with output:
+                    state = await self._load(model, PhaseClock(on_phase))
             self.models[key] = state
             return state.choices
 

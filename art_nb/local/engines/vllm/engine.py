@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from art_nb.config import ModelConfig
+from art_nb.utils.progress import library_bars
 
 from ..base import (
     AdapterWeights,
@@ -128,7 +129,8 @@ class VLLMEngine:
         reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
                        "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
         try:
-            engine = await thread.call(_build_engine, setup.kwargs)
+            # vLLM's load and CUDA-graph bars: notebook widgets, which a quiet register cannot send to its log
+            engine = await thread.call(_build_engine, {**setup.kwargs, "use_tqdm_on_load": library_bars()})
         except Exception as exc:
             thread.stop()
             raise EngineError(f"vLLM could not start for {model_path}: {type(exc).__name__}: {exc}") from exc
