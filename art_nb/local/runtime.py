@@ -324,6 +324,9 @@ class Runtime:
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None,
                                  keep_last: int, best_metric: str | None = None) -> list[int]:
         state = self.state(model)
+        # The served step's checkpoint may still be written in the background: counted among the newest
+        # once it is on disk (keep_last=1 kept the step before it too, as if that were the newest).
+        await settle(state, await self.ensure_server())
         existing = state.store.steps()
         if best_metric is not None:  # ART's rule: keep the served step and the best by a history metric
             best = best_step(await asyncio.to_thread(state.store.read_history), best_metric)
@@ -333,7 +336,6 @@ class Runtime:
         else:
             targets = set(existing[: max(0, len(existing) - max(keep_last, 1))])
         targets.discard(state.step)
-        await settle(state, await self.ensure_server())
         for step in targets & set(state.loaded_adapters):
             await state.engine.unload_adapter(state.adapter_name(step))
             state.loaded_adapters.discard(step)
