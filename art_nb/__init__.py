@@ -17,6 +17,7 @@ from ._version import __version__
 from .backend import Backend
 from .config import LoraConfig, ModelConfig, TrainConfig
 from .datasets_io import trajectories_dataset
+from .dev import LoRAConfig
 from .gather import (
     DatasetBatch,
     TooManyExceptionsError,
@@ -25,12 +26,24 @@ from .gather import (
     iterate_dataset,
     limit_concurrency,
     retry,
+    trajectory_group_batches,
 )
-from .model import Model, TrainableModel
-from .scopes import current_trajectory, current_trajectory_group, no_capture, trajectory, trajectory_group
+from .model import Model, NotRegisteredError, TrainableModel
+from .pipelining import pipeline
+from .scopes import (
+    auto_trajectory,
+    capture_auto_trajectory,
+    capture_yielded_trajectory,
+    current_trajectory,
+    current_trajectory_group,
+    no_capture,
+    trajectory,
+    trajectory_group,
+    yield_trajectory,
+)
 from .sft_config import TrainSFTConfig
 from .trajectories import History, Trajectory, TrajectoryGroup
-from .types import LocalTrainResult, Messages, MessagesAndChoices, Tools, TrainResult
+from .types import LocalTrainResult, Messages, MessagesAndChoices, ServerlessTrainResult, Tools, TrainResult
 
 if TYPE_CHECKING:
     from .local import LocalBackend
@@ -42,14 +55,17 @@ __all__ = [
     "DatasetBatch",
     "History",
     "LocalBackend",
+    "LoRAConfig",
     "LocalTrainResult",
     "LoraConfig",
     "Messages",
     "MessagesAndChoices",
     "Model",
     "ModelConfig",
+    "NotRegisteredError",
     "RemoteBackend",
     "ServerlessBackend",
+    "ServerlessTrainResult",
     "TooManyExceptionsError",
     "Tools",
     "TrainConfig",
@@ -59,6 +75,9 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "__version__",
+    "auto_trajectory",
+    "capture_auto_trajectory",
+    "capture_yielded_trajectory",
     "current_trajectory",
     "current_trajectory_group",
     "dev",
@@ -67,12 +86,15 @@ __all__ = [
     "iterate_dataset",
     "limit_concurrency",
     "no_capture",
+    "pipeline",
     "retry",
     "trajectories",
     "trajectories_dataset",
     "trajectory",
     "trajectory_group",
+    "trajectory_group_batches",
     "utils",
+    "yield_trajectory",
 ]
 
 

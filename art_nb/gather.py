@@ -6,16 +6,20 @@ default `max_exceptions=0` the first failure is raised as the rollout raised it 
 larger budget, once exceeded, raises `TooManyExceptionsError` naming the count, chained from the
 first failure.
 
+`trajectory_group_batches` is ART's streaming form: batches of groups as they finish, while later
+groups already run, each batch with its own exception budget.
+
 `retry`, `limit_concurrency` and `iterate_dataset` live in `art_nb.utils` (where ART keeps them)
 and are re-exported here, their older home.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from . import events
@@ -30,6 +34,7 @@ __all__ = [
     "iterate_dataset",
     "limit_concurrency",
     "retry",
+    "trajectory_group_batches",
 ]
 
 AfterEach = Callable[[TrajectoryGroup], Any]
@@ -141,6 +146,88 @@ async def gather_trajectory_groups(
     finally:
         tally.close()
     return [group for result in results for group in result]
+
+
+def _size(item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> int:
+    """How many rollouts an item is known to hold (a group maker counts as one until it has run)."""
+    return len(item.trajectories) + len(item.pending) if isinstance(item, TrajectoryGroup) else 1
+
+
+async def trajectory_group_batches(
+    groups: Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]],
+    *,
+    batch_size: int,
+    max_batch_exceptions: float = 0,
+    max_concurrent_batches: int = 4,
+    skip_batches: int = 0,
+    pbar_desc: str | None = "batches",
+    pbar_total_completion_tokens: bool = True,
+) -> AsyncIterator[list[TrajectoryGroup]]:
+    """Yield lists of `batch_size` finished groups, in the order they finish (the last may be shorter).
+
+    As ART's: up to `batch_size * max_concurrent_batches` groups run at once, so the next batches are
+    being played while the caller trains on this one; `skip_batches` leaves out the first batches'
+    groups (resume at a step). A failed rollout stays in its group's `exceptions`; more failures
+    within one batch than `max_batch_exceptions` (a count, or a fraction of the batch's rollouts)
+    raise as `gather_trajectory_groups` does, the rollout's own error when the budget is 0. An error,
+    or closing the generator (`contextlib.aclosing`, or its collection after the loop is left),
+    cancels the groups still running. `pbar_total_completion_tokens` is accepted for ART code and
+    does nothing.
+    """
+    if isinstance(batch_size, bool) or batch_size < 1 or max_concurrent_batches < 1 or skip_batches < 0:
+        raise ValueError(f"trajectory_group_batches needs batch_size >= 1, max_concurrent_batches >= 1 and "
+                         f"skip_batches >= 0; got {batch_size}, {max_concurrent_batches}, {skip_batches}")
+    items = list(groups)
+    skipped, unstarted = items[:batch_size * skip_batches], items[batch_size * skip_batches:]
+    for item in skipped:  # never run: closed, so Python does not warn of coroutines never awaited
+        for pending in item.pending if isinstance(item, TrajectoryGroup) else [item]:
+            if inspect.iscoroutine(pending):
+                pending.close()
+    if not unstarted:
+        return
+    per_group = max(1, round(sum(map(_size, unstarted)) / len(unstarted)))
+    window: list[_Tally] = []  # the tally of the batch being filled: rollouts report to it as they end
+
+    def new_window() -> None:
+        if window:
+            window[0].close()
+        window[:] = [_Tally(pbar_desc, batch_size * per_group, max_batch_exceptions, None)]
+
+    async def run_group(item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> TrajectoryGroup | None:
+        try:
+            group = item if isinstance(item, TrajectoryGroup) else await item
+        except Exception as error:  # noqa: BLE001 - a group maker that failed counts as one failed rollout
+            window[0].outcome(None, error)
+            return None
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"a group awaitable returned {type(group).__name__}; expected TrajectoryGroup")
+        for trajectory in group.trajectories:
+            window[0].outcome(trajectory, None)
+        return await group.finished(lambda t, e: window[0].outcome(t, e))
+
+    new_window()
+    running: set[asyncio.Task[TrajectoryGroup | None]] = set()
+    batch: list[TrajectoryGroup] = []
+    try:
+        while unstarted or running:
+            while unstarted and len(running) < batch_size * max_concurrent_batches:
+                running.add(asyncio.ensure_future(run_group(unstarted.pop(0))))
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            errors = [error for task in done if (error := task.exception()) is not None]  # each one retrieved
+            if errors:
+                raise errors[0]
+            batch += [group for task in done if (group := task.result()) is not None]
+            while len(batch) >= batch_size:
+                ready, batch = batch[:batch_size], batch[batch_size:]
+                new_window()
+                yield ready
+        if batch:
+            yield batch
+    finally:
+        window[0].close()
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 async def gather_trajectories(

@@ -3,6 +3,9 @@ serving and training alike.
 
 A message is an OpenAI-style dict; what the model said is the `Choice` the endpoint returned. The
 checks name the offending index and field, so a mistake in a rollout is reported where it is made.
+A tool result is taken as ART takes it: its `tool_call_id` need not answer an earlier call, nor be
+there at all (ART's tool-use notebook answers "n/a" when the model made no call; a template shows
+the result's content either way).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel
 
-__all__ = ["Choice", "MessageOrChoice", "check_messages", "check_tool_ids", "choice_to_message", "template_message"]
+__all__ = ["Choice", "MessageOrChoice", "check_messages", "choice_to_message", "template_message"]
 
 MessageOrChoice = dict[str, Any] | Choice
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -36,8 +39,6 @@ def _check_message(index: int, item: Any) -> MessageOrChoice:
         raise ValueError(
             f"messages_and_choices[{index}] has role {role!r}; expected one of {sorted(_ROLES)}"
         )
-    if role == "tool" and "tool_call_id" not in item:
-        raise ValueError(f"messages_and_choices[{index}] is a tool result without 'tool_call_id'")
     content = item.get("content")
     if content is not None and not isinstance(content, (str, list)):
         raise ValueError(
@@ -50,19 +51,6 @@ def check_messages(value: Any) -> list[MessageOrChoice]:
     if not isinstance(value, (list, tuple)):
         raise ValueError("messages_and_choices must be a list of message dicts and Choices")
     return [_check_message(i, item) for i, item in enumerate(value)]
-
-
-def check_tool_ids(messages: list[dict[str, Any]]) -> None:
-    open_calls: set[str] = set()
-    for message in messages:
-        if message.get("role") == "assistant":
-            for call in message.get("tool_calls") or []:
-                open_calls.add(call["id"])
-        elif message.get("role") == "tool" and message["tool_call_id"] not in open_calls:
-            raise ValueError(
-                f"tool result answers tool_call_id {message['tool_call_id']!r}, "
-                "which no earlier assistant message made"
-            )
 
 
 def choice_to_message(choice: Choice) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from . import porting
 from .config import ModelConfig, TrainConfig
+from .pipelining import pinned_step
 from .records import UnknownMetricError
 from .sft_config import TrainSFTConfig
 from .trajectories import Trajectory, TrajectoryGroup
@@ -34,10 +35,15 @@ if TYPE_CHECKING:
     from .backend import Backend
     from .types import ProgressCallback, TrainResult
 
-__all__ = ["DEFAULT_BEST_METRIC", "HandoffTarget", "Model", "TrainableModel"]
+__all__ = ["DEFAULT_BEST_METRIC", "HandoffTarget", "Model", "NotRegisteredError", "TrainableModel"]
 
 DEFAULT_BEST_METRIC = "val/reward"  # ART's `delete_checkpoints` default
 _log = logging.getLogger("art_nb")
+
+
+class NotRegisteredError(ValueError, RuntimeError):
+    """A model used before `register` (or a `Model` without an endpoint). A ValueError with ART's
+    message, as ART raises it; a RuntimeError too, as art_nb raised it before."""
 
 
 class HandoffTarget(Protocol):
@@ -86,8 +92,10 @@ class Model(BaseModel):
 
     @property
     def backend(self) -> Backend:
+        """The backend `register` attached (ART calls it, `model.backend()`: a backend called is itself)."""
         if self._backend is None:
-            raise RuntimeError(f"model {self.name!r} is not registered: run `await model.register(backend)` first")
+            raise NotRegisteredError("Model is not registered with the Backend. You must call `model.register()` "
+                                     f"first (model {self.name!r}: `await model.register(backend)`)")
         return self._backend
 
     async def register(self, backend: Backend) -> None:
@@ -99,15 +107,17 @@ class Model(BaseModel):
         self._backend = backend
 
     def get_inference_name(self, step: int | None = None) -> str:
-        """The model name to send to the endpoint (for a trained model, `name@step`; default: the served step)."""
+        """The model name to send to the endpoint (for a trained model, `name@step`; default: the served step,
+        or inside a pipeline's gather the step that gather samples from: art_nb.pipelining)."""
         if self.trainable and self._backend is not None:
-            return self._backend.inference_model_name(self, step)
+            return self._backend.inference_model_name(self, pinned_step(self) if step is None else step)
         return inference_name(self.inference_model_name or self.name, step)
 
     def _endpoint(self) -> tuple[str, str]:
         if self.inference_base_url:
             return self.inference_base_url, self.inference_api_key or "none"
-        raise RuntimeError(f"model {self.name!r} has no endpoint: set inference_base_url (and inference_api_key)")
+        raise NotRegisteredError("In order to create an OpenAI client you must provide an `inference_api_key` and "
+                                 f"`inference_base_url` (model {self.name!r} has no inference_base_url)")
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         """An `AsyncOpenAI` pointed at this model's endpoint, one per event loop (clients bind to a loop)."""
@@ -135,8 +145,13 @@ class Model(BaseModel):
         return client
 
     def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
-        """What `litellm.completion(**params, messages=...)` needs to call this model (as in ART)."""
-        base_url, api_key = self._endpoint()
+        """What `litellm.completion(**params, messages=...)` needs to call this model (as in ART). A
+        model without an endpoint yet (an OpenAI model named by `name`, a model not registered) gets
+        None for both, as in ART: LiteLLM then picks the provider from the model's name."""
+        try:
+            base_url, api_key = self._endpoint()
+        except NotRegisteredError:
+            base_url, api_key = self.inference_base_url, self.inference_api_key  # type: ignore[assignment]
         name = self.get_inference_name(step)
         return {"model": f"hosted_vllm/{name}" if self.trainable else name, "base_url": base_url,
                 "api_key": api_key, "temperature": 1}
@@ -218,6 +233,9 @@ class TrainableModel(Model):
         if self._backend is not None:
             endpoint = self._backend.inference_endpoint(self)
             return endpoint.base_url, endpoint.api_key
+        if not self.inference_base_url:
+            raise NotRegisteredError("OpenAI client not yet available on this trainable model. You must call "
+                                     f"`model.register()` first (model {self.name!r}: `await model.register(backend)`)")
         return super()._endpoint()
 
     async def get_step(self) -> int:

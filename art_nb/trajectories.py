@@ -39,7 +39,7 @@ from art_nb.capture import context as capture_scope
 from art_nb.capture import hooks as capture_hooks
 from art_nb.capture.conversation import captured_conversation, captured_tools
 
-from .messages import Choice, MessageOrChoice, check_messages, check_tool_ids, choice_to_message, template_message
+from .messages import Choice, MessageOrChoice, check_messages, choice_to_message, template_message
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -65,11 +65,6 @@ class History(BaseModel):
     @classmethod
     def _validate_messages(cls, value: Any) -> list[MessageOrChoice]:
         return check_messages(value)
-
-    @model_validator(mode="after")
-    def _tool_results_answer_calls(self) -> History:
-        check_tool_ids(self.messages())
-        return self
 
     def conversation(self) -> list[MessageOrChoice]:
         """Its messages and Choices: the same accessor as `Trajectory.conversation`, so code reading
@@ -120,9 +115,7 @@ class Trajectory(BaseModel):
         return float(value)
 
     @model_validator(mode="after")
-    def _tool_results_answer_calls(self) -> Trajectory:
-        # What the rollout wrote; a captured conversation is the server's record, not checked again here.
-        check_tool_ids([choice_to_message(m) if isinstance(m, Choice) else m for m in self.messages_and_choices])
+    def _one_way_built(self) -> Trajectory:
         if self.exchanges and (self.messages_and_choices or self.additional_histories):
             raise ValueError("a trajectory holds either captured calls (exchanges, from `with Trajectory()`) or "
                              "messages_and_choices/additional_histories, not both: the same model calls would be "
@@ -316,8 +309,8 @@ class TrajectoryGroup(BaseModel):
 
     async def finished(self, on_outcome: Callable[[Trajectory | None, BaseException | None], None]) -> TrajectoryGroup:
         """The group with its pending rollouts run concurrently: a rollout that raises an `Exception`,
-        or returns a trajectory that is no longer valid (a list changed in place: e.g. a tool result
-        whose id answers no call), becomes one of the group's exceptions; the others go on.
+        or returns a trajectory that is no longer valid (a list changed in place: e.g. a message with
+        role "bot" appended), becomes one of the group's exceptions; the others go on.
 
         `on_outcome(trajectory, error)` sees each rollout as it ends; whatever it raises stops the
         whole group (the rollouts still running are cancelled) and propagates. A rollout that returns

@@ -24,6 +24,7 @@ __all__ = [
     "MessagesAndChoices",
     "ModelRef",
     "ProgressCallback",
+    "ServerlessTrainResult",
     "Tools",
     "TrainResult",
     "TrainableModelRef",
@@ -59,6 +60,14 @@ class LocalTrainResult(TrainResult):
     """ART's name for what `LocalBackend.train` returns: also where the new checkpoint is."""
 
     checkpoint_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerlessTrainResult(TrainResult):
+    """ART's name for what `ServerlessBackend.train` returns: also the checkpoint's W&B artifact,
+    "entity/project/model:step5"."""
+
+    artifact_name: str | None = None
 
 
 @dataclass(frozen=True)

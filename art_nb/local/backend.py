@@ -245,6 +245,10 @@ class LocalBackend:
                                 store_model_dir(self.path, model.project, model.name), only_step=only,
                                 delete=delete, exclude=exclude or [], verbose=verbose)
 
+    def __call__(self) -> Self:
+        """The backend itself: ART code reaches it as `model.backend()`, art_nb code as `model.backend`."""
+        return self
+
     async def close(self) -> None:
         """Stop the engine and server for this path (the next register starts fresh)."""
         await self.loop.run(self._close())

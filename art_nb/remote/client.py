@@ -410,6 +410,10 @@ class RemoteBackend:
 
         return store.write_checkpoint(step, write, {**meta, "downloaded_from": self.base_url})
 
+    def __call__(self) -> RemoteBackend:
+        """The backend itself: ART code reaches it as `model.backend()`, art_nb code as `model.backend`."""
+        return self
+
     async def close(self) -> None:
         """Close this event loop's HTTP client (the server keeps running)."""
         await self._clients.close()

@@ -41,7 +41,14 @@ from art_nb.store import (
     checkpoints_dir,
 )
 from art_nb.trajectories import Trajectory, TrajectoryGroup
-from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, TrainableModelRef, TrainResult
+from art_nb.types import (
+    InferenceEndpoint,
+    ModelRef,
+    ProgressCallback,
+    ServerlessTrainResult,
+    TrainableModelRef,
+    TrainResult,
+)
 from art_nb.wire import RetryPolicy
 
 from .api import API_KEY_ENV, DEFAULT_BASE_URL, RemoteModel, ServerlessError, ServiceClient, TrainingJobFailed
@@ -217,13 +224,13 @@ class ServerlessBackend:
             if not page.get("has_more"):
                 await asyncio.sleep(self.poll_interval)
 
-    async def _finished(self, model: TrainableModelRef, steps: list[dict[str, float]]) -> TrainResult:
+    async def _finished(self, model: TrainableModelRef, steps: list[dict[str, float]]) -> ServerlessTrainResult:
         keys = {k for s in steps for k in s}
         metrics = {k: statistics.fmean(s[k] for s in steps if k in s) for k in sorted(keys)}
         metrics["gradient_steps"] = float(len(steps))
         step = await self._api.latest_step(self._registered(model).remote.id)
         events.emit("train_finished", model=model.name, step=step, metrics=metrics)
-        return TrainResult(step=step, metrics=metrics)
+        return ServerlessTrainResult(step=step, metrics=metrics, artifact_name=self.artifact(model, step).path)
 
     async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],
                         config: Any = None, _config: Any = None, verbose: bool = False, *,
@@ -262,6 +269,10 @@ class ServerlessBackend:
         if chosen:
             await self._api.delete_checkpoints(self._registered(model).remote.id, chosen)
         return chosen
+
+    def __call__(self) -> ServerlessBackend:
+        """The backend itself: ART code reaches it as `model.backend()`, art_nb code as `model.backend`."""
+        return self
 
     async def close(self) -> None:
         await self._api.close()

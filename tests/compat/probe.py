@@ -53,6 +53,9 @@ class StubBackend:
 
     async def register(self, model: Any) -> None: ...
 
+    def __call__(self) -> StubBackend:  # as art_nb's backends: ART code reaches one as `model.backend()`
+        return self
+
     def choices(self, model: Any) -> dict[str, str]:
         return {}
 
@@ -147,7 +150,9 @@ check("from art.mcp import MCPTool, MCPResource, generate_scenarios")(
     lambda: [importlib.import_module("art_nb.mcp").__dict__[n] for n in ("MCPTool", "MCPResource", "generate_scenarios")])
 for name in ["Trajectory", "TrajectoryGroup", "TrainableModel", "Model", "TrainConfig", "TrainResult", "Backend",
              "Messages", "MessagesAndChoices", "Tools", "gather_trajectory_groups", "gather_trajectories", "retry",
-             "dev", "LocalBackend", "ServerlessBackend", "TrainSFTConfig", "LocalTrainResult", "utils"]:
+             "dev", "LocalBackend", "ServerlessBackend", "TrainSFTConfig", "LocalTrainResult", "utils", "LoRAConfig",
+             "trajectory_group_batches", "auto_trajectory", "capture_auto_trajectory", "yield_trajectory",
+             "capture_yielded_trajectory", "ServerlessTrainResult"]:
     check(f"art.{name}")(lambda name=name: getattr(art, name))
 for name in ["InternalModelConfig", "InitArgs", "EngineArgs", "PeftArgs", "TrainerArgs", "LoRAConfig",
              "TrainConfig", "OpenAIServerConfig", "ServerArgs"]:
@@ -319,16 +324,17 @@ def _() -> None:
     raise AssertionError("expected the rollout's ValueError")
 
 
-@check("a tool result whose id answers no call fails that rollout only")
+@check("a tool result with tool_call_id 'n/a' when no call was made (ART's rock-paper-scissors notebook)")
 def _() -> None:
-    async def bad() -> Any:
-        t = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}])
-        t.messages_and_choices.append({"role": "tool", "tool_call_id": "call_9", "content": "r"})
+    async def played() -> Any:
+        t = art.Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=0)
+        t.messages_and_choices.extend(({"role": "tool", "tool_call_id": "n/a", "content": "r"},
+                                       {"role": "tool", "content": "no id at all"}))
+        t.reward += 1
         return t
 
-    groups = run(art.gather_trajectory_groups([art.TrajectoryGroup([rollout(), bad()])], pbar_desc=None,
-                                              max_exceptions=1))
-    assert len(groups[0]) == 1 and "call_9" in groups[0].exceptions[0]
+    groups = run(art.gather_trajectory_groups([art.TrajectoryGroup([rollout(), played()])], pbar_desc=None))
+    assert len(groups[0]) == 2 and not groups[0].exceptions
 
 
 @check("await art.gather_trajectories(...) returns failures in place")
@@ -489,6 +495,54 @@ def _() -> None:
     model = trainable()
     run(model.register(STUB))
     model.openai_client()
+
+
+@check("model.backend() (a method in ART)")
+def _() -> None:
+    model = trainable()
+    run(model.register(STUB))
+    assert model.backend() is STUB
+
+
+@check("model.openai_client() before register raises ART's ValueError")
+def _() -> None:
+    try:
+        trainable().openai_client()
+    except ValueError as error:
+        assert str(error).startswith("OpenAI client not yet available on this trainable model.")
+        return
+    raise AssertionError("expected a ValueError")
+
+
+@check("art.Model(name='gpt-4.1', ...).litellm_completion_params() without an endpoint")
+def _() -> None:
+    params = art.Model(name="gpt-4.1", project="probe").litellm_completion_params()
+    assert params == {"model": "gpt-4.1", "base_url": None, "api_key": None, "temperature": 1}
+
+
+@check("async for batch in art.trajectory_group_batches(groups, batch_size=)")
+def _() -> None:
+    async def batches() -> list[list[Any]]:
+        return [b async for b in art.trajectory_group_batches(
+            (art.TrajectoryGroup([rollout()]) for _ in range(3)), batch_size=2, pbar_desc=None)]
+
+    assert [len(b) for b in run(batches())] == [2, 1]
+
+
+@check("await art.capture_auto_trajectory(coro); art.auto_trajectory(required=True)")
+def _() -> None:
+    async def agent() -> None:
+        art.auto_trajectory(required=True).reward = 1.0
+
+    assert run(art.capture_auto_trajectory(agent())).reward == 1.0
+
+
+@check("await art.capture_yielded_trajectory(coro); art.yield_trajectory(t)")
+def _() -> None:
+    async def agent() -> None:
+        art.yield_trajectory(art.Trajectory(reward=2.0))
+
+    assert run(art.capture_yielded_trajectory(agent())).reward == 2.0
 
 
 @check("model.litellm_completion_params()")

@@ -126,3 +126,20 @@ async def test_yes_no_maybe(example, monkeypatch):
     model_dir = Path(".art/yes-no-maybe/models/012")
     rollouts = [line for line in history(model_dir) if "train/exceptions" in line]  # the rollouts' summary lines
     assert [(line["step"], line["train/trajectories"]) for line in rollouts] == [(0, 96.0), (1, 96.0)]
+
+
+async def test_rock_paper_tool_use_notebook(example):
+    script = example("rock_paper_tool_use", "rock_paper_tool_use")
+    model = await script.main()
+    assert await model.get_step() == 2
+    model_dir = Path(".art/rock-paper-tool-use/models/001")
+    lines = history(model_dir)
+    # Every rollout ran to its end (max_exceptions=4 would have hidden a failure) and trained.
+    assert [line["train/exceptions"] for line in lines if "train/exceptions" in line] == [0.0, 0.0]
+    records = read_jsonl(model_dir / "trajectories" / "train" / "0000.jsonl")
+    assert len(records) == 4 and all(r["tools"][0]["function"]["name"] == "play_move" for r in records)
+    # The notebook's pattern: a round without a tool call is answered as tool_call_id "n/a" (SmolLM2-135M
+    # rarely calls the tool), and the next round is played with that history.
+    results = [m for r in records for m in r["messages"] if m["role"] == "tool"]
+    assert results and all(m["tool_call_id"] == "n/a" or m["tool_call_id"].startswith("call") for m in results)
+    assert any(m["tool_call_id"] == "n/a" for m in results)

@@ -68,6 +68,7 @@ async def test_documented_routes_train_progress_and_inference(fake, tmp_path, ch
     result = await model.train(make_groups(chatml_tokenizer), config=art.TrainConfig(learning_rate=1e-5),
                                on_progress=progress.append)
     assert result.step == 1 and await model.get_step() == 1
+    assert isinstance(result, art.ServerlessTrainResult) and result.artifact_name == "fake-entity/proj/agent:step1"
     assert result.metrics["loss"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4)
     assert [(p["done"], p["total"]) for p in progress] == [(1, 4), (2, 4), (3, 4), (4, 4)]
     kinds = [e["type"] for e in recorded if e.get("model") == "agent"]
