@@ -134,11 +134,31 @@ def check_trainable(groups: list[TrajectoryGroup]) -> int:
         where = "" if untrainable == len(trajectories) else " of the groups whose rewards differ"
         raise ValueError(
             f"0 trainable tokens: no trajectory{where} holds a Choice ({untrainable} of {len(trajectories)} have "
-            f"none), so this step would train nothing; nothing was trained or saved. {UNTRAINABLE_FIX[0].upper()}"
-            f"{UNTRAINABLE_FIX[1:]} (messages_and_choices.append(completion.choices[0])), not an assistant "
-            "message dict built from its text: a dict is prompt context, only a Choice carries the sampled tokens"
+            f"none), so this step would train nothing; nothing was trained or saved. "
+            f"{_untrainable_cause([t for t in (signal or trajectories) if not has_choice(t)])}"
         )
     return untrainable
+
+
+def _untrainable_cause(trajectories: list[Trajectory]) -> str:
+    """Why these trajectories hold no Choice, and the fix: turns kept as dicts, or (when they hold no
+    message at all) model calls a capture scope did not record, e.g. made from threads without the
+    trajectory's context."""
+    empty = [t for t in trajectories if not t.messages_and_choices and not t.exchanges and not t.additional_histories]
+    if not empty:
+        return (f"{UNTRAINABLE_FIX[0].upper()}{UNTRAINABLE_FIX[1:]} (messages_and_choices.append("
+                "completion.choices[0])), not an assistant message dict built from its text: a dict is prompt "
+                "context, only a Choice carries the sampled tokens")
+    outside = max(t.calls_outside_context for t in empty)
+    threads = (f"the rollouts made {outside} model call{'s' if outside != 1 else ''} from threads without the "
+               "trajectory's context (a threading.Thread started by hand), which are recorded nowhere. Start such "
+               "a thread with the rollout's context: threading.Thread(target=art.utils.carry_context(work)), or "
+               "use asyncio.to_thread / a ThreadPoolExecutor, which carry it" if outside else
+               "make the model calls inside `await art.trajectory(...)` (or `with art.Trajectory():`), to an art_nb "
+               "endpoint (model.inference_base_url), in the rollout's own context: asyncio tasks, asyncio.to_thread "
+               "and ThreadPoolExecutor work carry it; a threading.Thread needs art.utils.carry_context(work)")
+    return (f"{len(empty)} of them recorded no model call: {threads}. A trajectory built by hand must "
+            f"{UNTRAINABLE_FIX}")
 
 
 def unrecorded(metrics: dict[str, float], recorded: dict[str, float]) -> dict[str, float]:

@@ -101,6 +101,9 @@ class Trajectory(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     start_time: datetime = Field(default_factory=datetime.now, exclude=True)
+    # Calls to an art_nb endpoint made outside every trajectory's context while this scope was open
+    # (e.g. from a thread started by hand): not recorded anywhere; the step's error reports them.
+    _calls_outside_context: int = PrivateAttr(default=0)
 
     @field_validator("messages_and_choices", mode="before")
     @classmethod
@@ -148,8 +151,16 @@ class Trajectory(BaseModel):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        capture_scope.exit(self)
+        self._calls_outside_context += capture_scope.exit(self)
         self.finish()
+
+    @property
+    def calls_outside_context(self) -> int:
+        """Model calls to an art_nb endpoint made outside every trajectory's context while this one's
+        scope was open, so recorded nowhere: e.g. from a `threading.Thread` started without
+        `contextvars.copy_context()`. Counted process-wide, so concurrent rollouts each see the others'
+        too; 0 when all calls were made in a rollout's own context (docs/capture.md, Threads)."""
+        return self._calls_outside_context
 
     def choices(self) -> list[Choice]:
         return [m for m in self.conversation() if isinstance(m, Choice)]

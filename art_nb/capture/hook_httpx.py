@@ -1,6 +1,7 @@
 """httpx and httpx2 (its successor, which the openai SDK 3.x uses; same API): `Client.send` /
 `AsyncClient.send` (every request goes through them, the openai SDK's included) and the response's
-byte iterators (what `read()`, `aread()` and streaming use)."""
+byte iterators (what `read()`, `aread()` and streaming use; a stream to record is read ahead, see
+`pending`)."""
 
 from __future__ import annotations
 
@@ -51,36 +52,54 @@ def install(httpx: ModuleType) -> None:
     def patched_iter_bytes(self: Any, chunk_size: int | None = None) -> Iterator[bytes]:
         # third-party: our own attribute on httpx's response, set only on responses we track
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
-        for chunk in iter_bytes(self, chunk_size):
-            if pending is not None:
-                pending.add(chunk)
-            yield chunk
-        if pending is not None:
-            pending.finish()
+        if pending is None:
+            yield from iter_bytes(self, chunk_size)
+            return
+        pending.reading = True
+        try:
+            for chunk in iter_bytes(self, chunk_size):
+                yield from pending.take(chunk)
+        except Exception:
+            yield from pending.release()  # what was read ahead reaches the client before the error
+            raise
+        finally:
+            pending.reading = False
+        yield from pending.end()
 
     async def patched_aiter_bytes(self: Any, chunk_size: int | None = None) -> AsyncIterator[bytes]:
         # third-party: our own attribute on httpx's response, set only on responses we track
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
-        async for chunk in aiter_bytes(self, chunk_size):
-            if pending is not None:
-                pending.add(chunk)
-            yield chunk
-        if pending is not None:
-            pending.finish()
+        if pending is None:
+            async for chunk in aiter_bytes(self, chunk_size):
+                yield chunk
+            return
+        pending.reading = True
+        try:
+            async for chunk in aiter_bytes(self, chunk_size):
+                for part in pending.take(chunk):
+                    yield part
+        except Exception:
+            for part in pending.release():  # what was read ahead reaches the client before the error
+                yield part
+            raise
+        finally:
+            pending.reading = False
+        for part in pending.end():
+            yield part
 
     def patched_close(self: Any) -> None:
         close(self)
         # third-party: our own attribute on httpx's response
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
         if pending is not None:
-            pending.finish()
+            pending.closed()
 
     async def patched_aclose(self: Any) -> None:
         await aclose(self)
         # third-party: our own attribute on httpx's response
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
         if pending is not None:
-            pending.finish()
+            pending.closed()
 
     httpx.Client.send = patched_send
     httpx.AsyncClient.send = patched_async_send

@@ -1,5 +1,6 @@
 """requests: `Session.send` (every requests call goes through it) and `Response.iter_content`
-(what `.content`, `iter_lines` and streaming read with)."""
+(what `.content`, `iter_lines` and streaming read with; a stream to record is read ahead, see
+`pending`)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,16 @@ def install() -> None:
                              decode_unicode: bool = False) -> Iterator[Any]:
         # third-party: our own attribute on requests' response, set only on responses we track
         pending: Pending | None = getattr(self, ATTRIBUTE, None)
-        for chunk in iter_content(self, chunk_size, decode_unicode):
-            if pending is not None:
-                pending.add(chunk.encode() if isinstance(chunk, str) else chunk)
-            yield chunk
-        if pending is not None:
-            pending.finish()
+        if pending is None:
+            yield from iter_content(self, chunk_size, decode_unicode)
+            return
+        try:
+            for chunk in iter_content(self, chunk_size, decode_unicode):
+                yield from pending.take(chunk)
+        except Exception:
+            yield from pending.release()  # what was read ahead reaches the client before the error
+            raise
+        yield from pending.end()
 
     requests.Session.send = patched_send  # type: ignore[method-assign]
     requests.Response.iter_content = patched_iter_content  # type: ignore[method-assign]

@@ -1,8 +1,9 @@
-"""Install the HTTP hooks: once per library, and only for libraries the process has imported.
+"""Install the hooks: the HTTP ones once per library, and only for libraries the process has
+imported; the thread pool's (`hook_threads`) once.
 
 Called whenever a scope opens, so a library imported after the first scope is hooked at the next.
 The patches wrap the libraries' own methods and change nothing they send or return; a response
-that is not a chat completion from art_nb's endpoint is not even buffered.
+that is not a chat completion is not even buffered.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ _done: set[str] = set()
 
 
 def install() -> None:
+    if "threads" not in _done:  # concurrent.futures: already imported by asyncio
+        from . import hook_threads
+
+        hook_threads.install()
+        _done.add("threads")
     for name in ("httpx", "httpx2"):  # httpx2: what the openai SDK 3.x sends with
         if name in sys.modules and name not in _done:
             from . import hook_httpx
