@@ -253,6 +253,11 @@ class TrainConfig(BaseModel):
 _REPORTED: set[str] = set()
 
 
+class ArtNbWarning(UserWarning):
+    """A warning art_nb gives the user itself: it always shows, also while register sends third-party
+    warnings to the run's log (art_nb/local/quiet.py)."""
+
+
 def report_ignored(knobs: dict[str, str], where: str) -> None:
     """Warn once per process about each ART knob that art_nb accepts but has no equivalent for.
 
@@ -264,4 +269,4 @@ def report_ignored(knobs: dict[str, str], where: str) -> None:
         return
     _REPORTED.update(f"{where}.{name}" for name in new)
     details = "; ".join(f"{name} ({why})" for name, why in new.items())
-    warnings.warn(f"{where}: accepted but not used by art_nb: {details}", UserWarning, stacklevel=3)
+    warnings.warn(f"{where}: accepted but not used by art_nb: {details}", ArtNbWarning, stacklevel=3)

@@ -32,16 +32,19 @@ class Sink(Protocol):
 
 class Diversion:
     """Records of loggers `chosen(name)`, below level `below` (all when None), and warnings raised from
-    files `warnings_from(filename)` go to `sink` between `install()` and `uninstall()`. `fallback` takes
+    files `warnings_from(filename)` (but never those of a category in `always_shown`) go to `sink` between
+    `install()` and `uninstall()`. `fallback` takes
     `logging.lastResort`'s place for records not taken (default: lastResort itself)."""
 
     def __init__(self, sink: Sink, chosen: Callable[[str], bool], *, warnings_from: Callable[[str], bool],
-                 below: int | None = None, fallback: logging.Handler | None = None) -> None:
+                 below: int | None = None, fallback: logging.Handler | None = None,
+                 always_shown: tuple[type[Warning], ...] = ()) -> None:
         self.sink = sink
         self.chosen = chosen
         self.below = below
         self.over = False
         self._warnings_from = warnings_from
+        self._always_shown = always_shown
         self._fallback = fallback
         self._swapped: list[tuple[logging.Logger, list[logging.Handler], list[logging.Handler]]] = []
         self._last_resort: logging.Handler | None = None
@@ -81,7 +84,8 @@ class Diversion:
     def _show_warning(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
                       file: TextIO | None = None, line: str | None = None) -> None:
         """warnings.showwarning meanwhile (pytest and IPython may have put their own there before)."""
-        if not (file is None and not self.over and self._warnings_from(filename)
+        if not (file is None and not self.over and not issubclass(category, self._always_shown)
+                and self._warnings_from(filename)
                 and self.sink.write(warnings.formatwarning(message, category, filename, lineno, line))):
             assert self._shown_warning is not None
             self._shown_warning(message, category, filename, lineno, file, line)

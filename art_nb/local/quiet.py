@@ -7,8 +7,8 @@ warning, CUDA-graph bars whose cursor moves show as `[A`. `RegisterOutput` sends
 everything back after, on an error or an interrupt too; a failed register's exception then carries
 the log's last lines. `LocalBackend(verbose=True)` changes nothing. What goes there, and how:
 
-- `logging` records of every logger but art_nb's, and every warning (divert.py); art_nb's own
-  warnings (an engine fallback) still show.
+- `logging` records of every logger but art_nb's, and every warning but art_nb's own (divert.py: `ArtNbWarning`); art_nb's
+  log records (an engine fallback) and warnings (an ART knob it ignores) still show.
 - writes to `sys.stdout`/`sys.stderr`: Unsloth's prints, tqdm bars, and the handlers made while
   register runs (vLLM's, when vLLM is first imported then), which keep the stream they were given:
   it writes to the cell's stream again once register is over.
@@ -44,6 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TextIO
 
+from art_nb.config import ArtNbWarning
 from art_nb.nofollow import open_regular, real_dirs
 from art_nb.utils.progress import set_library_bars
 
@@ -133,7 +134,8 @@ class RegisterOutput:
                 undo.callback(close_shown)
                 fallback = logging.StreamHandler(shown)  # lastResort's place for art_nb's own warnings
                 fallback.setLevel(logging.WARNING)
-                everything = Diversion(sink, lambda name: not _ours(name), fallback=fallback, warnings_from=_anywhere)
+                everything = Diversion(sink, lambda name: not _ours(name), fallback=fallback, warnings_from=_anywhere,
+                                       always_shown=(ArtNbWarning,))
                 undo.callback(everything.install().uninstall)
                 undo.callback(_divert_streams(sink))
                 undo.callback(_redirect_descriptors(sink.fd))
@@ -154,7 +156,8 @@ class RegisterOutput:
             undo.close()
         finally:
             if error is None:  # the log stays open for the first rollout's window
-                window = Diversion(sink, _third_party, below=logging.ERROR, warnings_from=_in_third_party)
+                window = Diversion(sink, _third_party, below=logging.ERROR, warnings_from=_in_third_party,
+                                   always_shown=(ArtNbWarning,))
                 with _lock:
                     _window = window.install(), sink
             else:

@@ -225,3 +225,32 @@ def test_only_what_a_stream_handler_would_show_is_taken_and_file_handlers_keep_t
     assert len(written) == 1 and "WARNING-SHOWN" in written[0]
     assert (tmp_path / "user.log").read_text() == "INFO-NOT-SHOWN\nWARNING-SHOWN\n"  # the file log has both
     assert torch_logger.handlers == [console, file_log]
+
+
+def test_art_nbs_own_warnings_show_while_the_rest_goes_to_the_log(tmp_path) -> None:
+    """An ART knob art_nb ignores is reported to the user even when the report happens inside register."""
+    import warnings
+
+    from art_nb.config import ArtNbWarning
+    from art_nb.local.divert import Diversion
+
+    class Log:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, text: str) -> bool:
+            self.text += text
+            return True
+
+    log = Log()
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        diversion = Diversion(log, lambda name: True, warnings_from=lambda filename: True,
+                              always_shown=(ArtNbWarning,)).install()
+        try:
+            warnings.warn("a library's deprecation", DeprecationWarning)
+            warnings.warn("TrainableModel: accepted but not used by art_nb: x", ArtNbWarning)
+        finally:
+            diversion.uninstall()
+    assert [str(w.message) for w in shown] == ["TrainableModel: accepted but not used by art_nb: x"]
+    assert "a library's deprecation" in log.text and "accepted but not used" not in log.text
