@@ -1,10 +1,11 @@
 """Capture: the model calls a rollout makes, recorded with the server's exact token ids.
 
 Inside a scope (`with art.Trajectory() as t:`, `await art.trajectory(coro)`), every POST to a
-`/chat/completions` endpoint made through httpx (so the openai SDK, LangChain's and the Agents
-SDK's clients too), requests or aiohttp is recorded into the innermost scope's trajectory, as a
-`CapturedCall`, when the response carries `prompt_token_ids` (art_nb's endpoint does; so does vLLM's
-when asked to return token ids). Everything else passes untouched. `no_capture()` excludes a block.
+`/chat/completions`, `/responses` or `/completions` endpoint made through httpx (so the openai SDK,
+LangChain's and the Agents SDK's clients too), requests or aiohttp is recorded into the innermost
+scope's trajectory, as a `CapturedCall`, when the response carries `prompt_token_ids` (art_nb's
+endpoint does; so does vLLM's when asked to return token ids). Everything else passes untouched.
+`no_capture()` excludes a block.
 
 How the pieces split: `scope` holds the context variables (which trajectory records, whether
 recording is off); `calls` is the record (pydantic, crosses the wire with the trajectory); `body`

@@ -1,9 +1,12 @@
 """A request body and its response bytes -> a `CapturedCall`, or None when it is not one to record.
 
-Recorded: a JSON request to a path ending in `/chat/completions` whose successful response (a
-JSON ChatCompletion, or server-sent `chat.completion.chunk` events) carries `prompt_token_ids`
-and per-choice `token_ids`. Any other response (OpenAI's own API, an error, a truncated stream)
-is not art_nb's to train on and is skipped silently: capture never breaks the user's call.
+Recorded: a JSON request to a path ending in `/chat/completions`, `/responses` or `/completions`
+whose successful response carries `prompt_token_ids` and the sampled `token_ids`: a JSON
+ChatCompletion, Response or text completion, or their server-sent events (`chat.completion.chunk`s;
+the Responses API's events, whose final `response.completed` or `response.incomplete` holds the whole
+response; `text_completion` chunks). A Response's output items are kept as the chat assistant message
+they hold, so every call reads alike. Any other response (OpenAI's own API, an error, a truncated
+stream) is not art_nb's to train on and is skipped silently: capture never breaks the user's call.
 """
 
 from __future__ import annotations
@@ -11,14 +14,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..response_items import assistant_message
 from .calls import CapturedCall, CapturedChoice
 
-__all__ = ["is_chat_url", "parse_call", "request_json"]
+__all__ = ["is_model_url", "parse_call", "request_json"]
+
+_PATHS = ("/chat/completions", "/responses", "/completions")
+_TERMINAL = ("response.completed", "response.incomplete")  # the events that carry a finished Response
 
 
-def is_chat_url(method: str, url: str) -> bool:
+def is_model_url(method: str, url: str) -> bool:
+    """Whether the request is a model call capture looks at (chat, Responses or text completions)."""
     path = url.split("?", 1)[0].rstrip("/")
-    return method.upper() == "POST" and path.endswith("/chat/completions")
+    return method.upper() == "POST" and path.endswith(_PATHS)
 
 
 def request_json(body: Any) -> dict[str, Any] | None:
@@ -41,7 +49,7 @@ def parse_call(request: dict[str, Any], status: int, body: bytes) -> CapturedCal
     if not 200 <= status < 300:
         return None
     try:
-        if body.lstrip().startswith(b"data:"):
+        if body.lstrip().startswith((b"data:", b"event:")):  # server-sent events (the Responses API names them)
             return _from_events(request, body)
         return _from_json(request, json.loads(body))
     except (ValueError, KeyError, TypeError):  # not JSON, not our shape, or a stream cut short
@@ -60,9 +68,11 @@ def _choice(data: dict[str, Any], message: dict[str, Any]) -> CapturedChoice:
 
 
 def _from_json(request: dict[str, Any], data: dict[str, Any]) -> CapturedCall | None:
+    if data.get("object") == "response":
+        return _from_response(request, data, streamed=False)
     if "prompt_token_ids" not in data:
         return None
-    choices = [_choice(c, c.get("message") or {}) for c in data["choices"]]
+    choices = [_choice(c, c.get("message") or _text_message(c)) for c in data["choices"]]
     return CapturedCall(model=data.get("model") or request.get("model", ""), prompt_token_ids=data["prompt_token_ids"],
                         choices=choices, request=request)
 
@@ -82,6 +92,8 @@ def _from_events(request: dict[str, Any], body: bytes) -> CapturedCall | None:
             done = True
             break
         chunk = json.loads(payload)
+        if chunk.get("type") in _TERMINAL:  # the Responses API's stream: its last event holds it all
+            return _from_response(request, chunk["response"], streamed=True)
         model = chunk.get("model") or model
         if chunk.get("prompt_token_ids") is not None:
             prompt_ids = chunk["prompt_token_ids"]
@@ -91,7 +103,7 @@ def _from_events(request: dict[str, Any], body: bytes) -> CapturedCall | None:
             acc["token_ids"] += c.get("token_ids") or []
             acc["token_logprobs"] += c.get("token_logprobs") or []
             delta = c.get("delta") or {}
-            acc["content"] += delta.get("content") or ""
+            acc["content"] += (delta.get("content") or "") + (c.get("text") or "")  # chat, or text completions
             acc["tool_calls"] += delta.get("tool_calls") or []
             acc["finish_reason"] = c.get("finish_reason") or acc["finish_reason"]
     if not done or prompt_ids is None or not per_choice:
@@ -106,3 +118,20 @@ def _from_events(request: dict[str, Any], body: bytes) -> CapturedCall | None:
             acc["token_logprobs"] = None
         choices.append(_choice(acc, message))
     return CapturedCall(model=model, prompt_token_ids=prompt_ids, choices=choices, request=request, streamed=True)
+
+
+def _text_message(choice: dict[str, Any]) -> dict[str, Any]:
+    """A text completion's choice read as the assistant message a chat choice carries."""
+    return {"role": "assistant", "content": choice["text"]} if isinstance(choice.get("text"), str) else {}
+
+
+def _from_response(request: dict[str, Any], data: dict[str, Any], streamed: bool) -> CapturedCall | None:
+    """A Response: one sample, its output items read as the chat assistant message they hold."""
+    if "prompt_token_ids" not in data or "token_ids" not in data:
+        return None
+    message = assistant_message(data.get("output") or [])
+    finish = "length" if data.get("status") == "incomplete" else "tool_calls" if message.get("tool_calls") else "stop"
+    choice = _choice({"token_ids": data["token_ids"], "token_logprobs": data.get("token_logprobs"),
+                      "finish_reason": finish}, message)
+    return CapturedCall(model=data.get("model") or request.get("model", ""), prompt_token_ids=data["prompt_token_ids"],
+                        choices=[choice], request=request, streamed=streamed)

@@ -11,6 +11,11 @@ This is a view for reading: training takes the calls' token ids (`art_nb.grpo.ca
 this. Where call k's reply sits in the last request is where call k's own request ended
 (`len(request messages)`); a conversation that was edited or truncated so no assistant message is
 there shows that turn as the client sent it (training refuses such a history anyway).
+
+A Responses API call's request is read as the chat messages its `instructions` and `input` items
+map onto (`art_nb.response_items`, the endpoint's own mapping) and its function tools as chat tools.
+One chained with `previous_response_id` sent only its new items, so it shows only those; a text
+completion's request has no messages, so it shows its reply alone.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..messages import Choice, MessageOrChoice
+from ..response_items import ItemError, chat_tools, input_messages
 from .calls import CapturedCall, CapturedChoice
 
 __all__ = ["captured_conversation", "captured_tools", "reply_choice"]
@@ -39,9 +45,16 @@ def captured_conversation(calls: list[CapturedCall]) -> list[MessageOrChoice]:
 
 
 def captured_tools(calls: list[CapturedCall]) -> list[dict[str, Any]] | None:
-    """The tools the last call offered the model (None when it offered none)."""
+    """The tools the last call offered the model, as chat tools (None when it offered none)."""
     tools = calls[-1].request.get("tools") if calls else None
-    return tools if isinstance(tools, list) and tools else None
+    if not isinstance(tools, list) or not tools:
+        return None
+    if not _is_responses(calls[-1].request):
+        return tools
+    try:
+        return chat_tools(tools)
+    except ItemError:
+        return None
 
 
 def reply_choice(choice: CapturedChoice) -> Choice:
@@ -56,7 +69,16 @@ def reply_choice(choice: CapturedChoice) -> Choice:
     return Choice.construct(**data)  # openai's BaseModel.construct builds the nested message and tool calls
 
 
+def _is_responses(request: dict[str, Any]) -> bool:
+    return "input" in request and "messages" not in request
+
+
 def _request_messages(call: CapturedCall) -> list[dict[str, Any]]:
+    if _is_responses(call.request):  # a Responses call: its instructions and input items as chat messages
+        try:
+            return input_messages(call.request["input"], call.request.get("instructions"))
+        except (ItemError, TypeError, AttributeError):
+            return []
     messages = call.request.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return []  # not a chat request body as JSON carries it: positions would not line up

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import context
-from .body import is_chat_url, parse_call, request_json
+from .body import is_model_url, parse_call, request_json
 from .calls import CapturedCall
 
 __all__ = ["Pending", "begin"]
@@ -117,9 +117,9 @@ class Pending:
 
 
 def begin(method: str, url: str, body: Any) -> Pending | None:
-    """A Pending for a chat-completions request made inside a scope (or outside every scope while one
-    is open elsewhere, to be counted), else None (let it pass)."""
-    if not is_chat_url(method, url):
+    """A Pending for a model call (chat, Responses or text completions) made inside a scope (or outside
+    every scope while one is open elsewhere, to be counted), else None (let it pass)."""
+    if not is_model_url(method, url):
         return None
     calls = context.sink()
     if calls is None and not context.outside():

@@ -6,6 +6,8 @@
 - `prompt`: the chat template's rendering, special-token text in client strings kept as text;
 - `templates`: a served model's chat template, tool style and turn setting, set at register;
 - `toolcalls`: Hermes/Qwen `<tool_call>` blocks into OpenAI `tool_calls`;
+- `responses`, `responses_out`: POST /v1/responses, served as a chat completion, answered as a Response;
+- `completions`: POST /v1/completions, legacy text completions of a raw prompt;
 - `gate`: `InferenceGate`, the backend's pause/resume around a train step;
 - `app`: `create_app`, the routes over a backend's `ModelRegistry`;
 - `run`: `start_server`, uvicorn as a task on the backend's event loop.
