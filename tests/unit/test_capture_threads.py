@@ -156,7 +156,7 @@ async def test_pool_work_carries_the_scope_and_no_other_context_variable(srv: An
     assert await asyncio.get_running_loop().run_in_executor(None, look) == (False, "unset")
 
 
-def test_a_scope_that_recorded_nothing_is_told_where_calls_are_recorded() -> None:
+async def test_a_scope_that_recorded_nothing_is_told_where_calls_are_recorded() -> None:
     with art.Trajectory() as empty:
         pass  # e.g. every call went to another server, or ran under no_capture
     with pytest.raises(ValueError) as refused:
