@@ -13,7 +13,8 @@ One process owns the GPU: a `LocalBackend` (engine, trainer, checkpoints). This 
     POST /api/models/{name}/checkpoints/delete         {steps | null, keep_last, best_metric | null}
     GET  /api/models/{name}/checkpoints/{step}/files   [{name, size, sha256}]
     GET  /api/models/{name}/checkpoints/{step}/files/{file}
-    /v1/models, /v1/chat/completions                   the OpenAI endpoint, same engine, same gate
+    /v1/models, /v1/chat/completions, /v1/responses,   the OpenAI endpoint, same engine, same gate
+    /v1/completions                                    (docs/endpoint.md)
 
 The train stream (`train_sft`'s is the same) is one JSON object per line: `accepted`, then
 `event`s (the backend's `log`, `train_started`, `train_finished`, ... for this model) and
