@@ -98,7 +98,7 @@ async def test_a_text_prompt_is_continued_with_its_ids(engine: Engine, client: o
 
 async def test_token_ids_go_in_as_given_and_echo_prepends_the_prompt(engine: Engine, client: openai.AsyncOpenAI) -> None:
     ids = engine.tokenizer.encode("Two plus two", add_special_tokens=False)
-    for prompt in (ids, [ids]):
+    for prompt in ("Two plus two", ids, [ids]):
         out = await client.completions.create(model="agent", prompt=prompt, echo=True, max_tokens=40)
         assert engine.requests[-1].prompt_ids == ids
         assert out.choices[0].text == "Two plus two is four. Then five."

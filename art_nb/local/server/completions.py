@@ -9,8 +9,8 @@ prompts, they share the engine's batch anyway. `n` samples of it are choices, as
 What comes back is OpenAI's `text_completion` with what training needs beside it, as on the chat
 endpoint: `prompt_token_ids` on the response, `token_ids` and `token_logprobs` on each choice.
 `logprobs: k` gives the legacy logprobs object (`tokens`, `token_logprobs`, `top_logprobs` with k
-alternatives, `text_offset`) of the sampled tokens. `echo` puts the prompt's text in front of each
-choice's text; with `logprobs` it would need the prompt's logprobs, which the engines do not
+alternatives, `text_offset`) of the sampled tokens. `echo` puts the prompt in front of each choice's
+text (as sent, or its ids decoded); with `logprobs` it would need the prompt's logprobs, which the engines do not
 compute, so that pair is refused, as are `suffix`, `best_of` other than `n`, penalties and a bias.
 A stop string cuts the text before it, keeping the ids that spelled it, as chat does.
 
@@ -149,7 +149,7 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_context: int)
 def completion_body(model_name: str, prompt: list[int], samples: list[Sample], req: CompletionRequest,
                     tokenizer: Any) -> dict[str, Any]:
     """The `text_completion` body for `samples`, with `token_ids` per choice and `prompt_token_ids`."""
-    echo = tokenizer.decode(prompt, skip_special_tokens=True) if req.echo else ""
+    echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else tokenizer.decode(req.prompt)
     choices = []
     for index, sample in enumerate(samples):
         text, ids, logprobs, stopped = _cut_at_stop(tokenizer, sample, req.stop or [])
