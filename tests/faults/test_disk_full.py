@@ -114,6 +114,7 @@ def digest(directory: Path) -> dict[str, str]:
 async def test_disk_full_while_saving(where: str, served, monkeypatch: pytest.MonkeyPatch) -> None:
     backend, model, state = served
     groups = await gather_groups(model, seed=sorted(FAULTS).index(where))
+    await backend.wait_for_checkpoint(model)  # the case before ends with a step whose commit runs in the background
     step = state.step
     previous = digest(state.store.checkpoint_dir(step))
     with monkeypatch.context() as patch:
