@@ -17,7 +17,12 @@ Refused, with a message that names the call and shows where the histories part:
   conversation, or swaps its system prompt; with `ModelConfig(assistant_turns="rendered")`, also a
   chat template that rewrites earlier turns, e.g. Qwen3 dropping earlier `<think>` blocks: by
   default art_nb's endpoint gives a turn it sampled back as the sampled ids, local/server/turns.py);
-  pick one branch (`trajectory.exchanges = trajectory.exchanges[k:]`) to train on what is left;
+  pick one branch (`trajectory.exchanges = trajectory.exchanges[k:]`) to train on what is left.
+  Where the requests themselves show the cause, the message names it: the call was sent under
+  another system prompt than the one before it (smolagents asks for its final answer that way), or
+  the reply the call before it sampled is not among its messages as the endpoint returned it (an
+  agent that rewrites replies: smolagents' CodeAgent appends its closing code tag, its
+  ToolCallingAgent sends a call back as its own "Calling tools:" text);
 - a call with several choices that is not followed by a call continuing exactly one of them (a
   branch; choices with the very same ids count as one); for the last call only `n=1` is accepted;
 - calls to different models in one trajectory (use `art.no_capture()` around the other model).
@@ -34,6 +39,7 @@ edit inside the kept text is still refused.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -67,20 +73,22 @@ def captured_sequence(tokenizer: Any, calls: list[CapturedCall]) -> CapturedSequ
     mask: list[bool] = []
     logprobs: list[float] = []
     realigned = trimmed = 0
-    sampled: list[int] = []  # the previous call's chosen ids, last in `ids`
+    chosen: CapturedChoice | None = None  # the previous call's chosen sample, last in `ids`
     for k, call in enumerate(calls):
         prompt = call.prompt_token_ids
         start = 0
-        if k > 0:
+        if chosen is not None:  # k > 0
+            sampled = chosen.token_ids
+            parting = _Parting(calls, k, chosen, len(ids) - len(sampled))
             try:
-                start, by_text = _continuation(tokenizer, ids, prompt, k)
+                start, by_text = _continuation(tokenizer, ids, prompt, parting)
             except CaptureRefused:
                 keep = _kept_before_stop(tokenizer, sampled, _stops(calls[k - 1]))
                 if keep is None:
                     raise
                 drop = len(sampled) - keep
                 try:
-                    start, by_text = _continuation(tokenizer, ids[: len(ids) - drop], prompt, k)
+                    start, by_text = _continuation(tokenizer, ids[: len(ids) - drop], prompt, parting)
                 except CaptureRefused as refused:
                     raise CaptureRefused(f"{refused}\n{_STOP_HINT.format(k=k - 1)}") from None
                 del ids[len(ids) - drop:], mask[len(mask) - drop:], logprobs[len(logprobs) - drop:]
@@ -89,11 +97,10 @@ def captured_sequence(tokenizer: Any, calls: list[CapturedCall]) -> CapturedSequ
         ids += prompt[start:]
         mask += [False] * (len(prompt) - start)
         logprobs += [math.nan] * (len(prompt) - start)
-        choice = _chosen(tokenizer, calls, k, ids)
-        sampled = choice.token_ids
-        ids += choice.token_ids
-        mask += [True] * len(choice.token_ids)
-        logprobs += choice.logprobs if choice.logprobs is not None else [math.nan] * len(choice.token_ids)
+        chosen = _chosen(tokenizer, calls, k, ids)
+        ids += chosen.token_ids
+        mask += [True] * len(chosen.token_ids)
+        logprobs += chosen.logprobs if chosen.logprobs is not None else [math.nan] * len(chosen.token_ids)
     return CapturedSequence(ids, mask, logprobs, realigned, trimmed)
 
 
@@ -169,7 +176,17 @@ def _extends(tokenizer: Any, history: list[int], prompt: list[int]) -> bool:
         tokenizer.decode(history, skip_special_tokens=False))
 
 
-def _continuation(tokenizer: Any, history: list[int], prompt: list[int], k: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class _Parting:
+    """What a refusal of call k needs to say why: the calls, and where call k-1's chosen reply starts."""
+
+    calls: list[CapturedCall]
+    k: int
+    reply: CapturedChoice
+    reply_start: int  # index in the history's ids
+
+
+def _continuation(tokenizer: Any, history: list[int], prompt: list[int], parting: _Parting) -> tuple[int, int]:
     """(where in `prompt` the new part starts, 1 if found by text rather than by ids)."""
     if prompt[: len(history)] == history:
         return len(history), 0
@@ -183,19 +200,73 @@ def _continuation(tokenizer: Any, history: list[int], prompt: list[int], k: int)
                 return n, 1
             if len(covered) > len(old_text):
                 break
-    raise CaptureRefused(_divergence(k, old_text, new_text))
+    at = next((i for i, (a, b) in enumerate(zip(old_text, new_text)) if a != b), min(len(old_text), len(new_text)))
+    in_reply = at >= len(tokenizer.decode(history[: parting.reply_start], skip_special_tokens=False))
+    raise CaptureRefused(_divergence(parting.k, old_text, new_text, at, _cause(parting, in_reply)))
 
 
-def _divergence(k: int, old: str, new: str) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+def _divergence(k: int, old: str, new: str, at: int, cause: str | None) -> str:
     lo = max(0, at - _SHOW)
     return (f"captured call {k}'s prompt does not extend the history before it (call {k - 1}'s prompt + the "
             f"tokens it sampled), so no single sequence holds both exactly. They part at character {at}:\n"
             f"  history so far: {old[lo:at + _SHOW]!r}\n"
-            f"  call {k}'s prompt:  {new[lo:at + _SHOW]!r}\n"
-            "Usual cause: the agent edited, reordered or truncated its conversation, or changed its system prompt "
-            "(art_nb's endpoint gives back a turn it sampled as the sampled ids only while the client sends that "
-            "turn and everything before it unchanged); with ModelConfig(assistant_turns='rendered'), also a chat "
-            "template that rewrites earlier turns (e.g. drops earlier <think> blocks). To train on one branch, keep "
-            "only the calls that extend "
-            f"each other, e.g. `trajectory.exchanges = trajectory.exchanges[{k}:]`.")
+            f"  call {k}'s prompt:  {new[lo:at + _SHOW]!r}\n" + (cause or (
+                "Usual cause: the agent edited, reordered or truncated its conversation, or changed its system prompt "
+                "(art_nb's endpoint gives back a turn it sampled as the sampled ids only while the client sends that "
+                "turn and everything before it unchanged); with ModelConfig(assistant_turns='rendered'), also a chat "
+                "template that rewrites earlier turns (e.g. drops earlier <think> blocks). To train on one branch, keep "
+                "only the calls that extend "
+                f"each other, e.g. `trajectory.exchanges = trajectory.exchanges[{k}:]`.")))
+
+
+def _cause(parting: _Parting, in_reply: bool) -> str | None:
+    """The client's doing that the two requests show, in words with the fix; None when they show none."""
+    k, before, now = parting.k, parting.calls[parting.k - 1].request, parting.calls[parting.k].request
+    keep = (f"To train on what the agent did, keep the calls that extend each other: the ones before it "
+            f"(`trajectory.exchanges = trajectory.exchanges[:{k}]`) or from it on (`[{k}:]`).")
+    if not in_reply and _system_prompt(before) != _system_prompt(now):
+        return (f"Cause: the agent swapped its system prompt: call {k} was sent under another system prompt than call "
+                f"{k - 1} (now {_system_prompt(now)[:_SHOW]!r}), so its prompt cannot start with the history. "
+                "smolagents' agents do this when they reach max_steps: `provide_final_answer` asks for the final "
+                "answer under a system prompt of its own. Make such a call inside `with art.no_capture():` to leave "
+                f"it out of the trajectory. {keep}")
+    messages = now.get("messages")  # chat only: a Responses call may hold its history server-side
+    sent = [_canonical(m) for m in messages or [] if isinstance(m, dict) and m.get("role") == "assistant"]
+    if in_reply and isinstance(messages, list) and _canonical(parting.reply.message) not in sent:
+        return (f"Cause: the agent sent call {k - 1}'s reply back changed: call {k}'s messages do not hold it as the "
+                "endpoint returned it, so the model would be trained on a reply it never saw in its next prompt. "
+                "smolagents does this: CodeAgent appends its closing code tag to a reply without one, and "
+                "ToolCallingAgent sends a tool call back as its own 'Calling tools:' text instead of the reply. "
+                f"{keep}")
+    return None
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list of parts."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+def _system_prompt(request: dict[str, Any]) -> str:
+    """A chat request's leading system (or developer) message, or a Responses request's `instructions`."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return _text(request.get("instructions"))
+    first = messages[0] if messages and isinstance(messages[0], dict) else {}
+    return _text(first.get("content")) if first.get("role") in ("system", "developer") else ""
+
+
+def _canonical(message: dict[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """A reply as a client may send it back unchanged: content without surrounding whitespace, tool
+    calls by name and parsed arguments (key order and spacing aside), as the endpoint matches turns."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = (call.get("function") or {}) if isinstance(call, dict) else {}
+        arguments = function.get("arguments")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            pass
+        calls.append((str(function.get("name")), json.dumps(arguments, sort_keys=True)))
+    return _text(message.get("content")).strip(), tuple(calls)
