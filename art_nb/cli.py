@@ -18,6 +18,10 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         flag = "--" + field.name.replace("_", "-")
         if field.default is None:  # learning_rate: None picks it by the model's size
             parser.add_argument(flag, type=float, default=None, help="default: by the base model's size")
+        elif field.name == "pipeline":  # `--pipeline` alone turns it on
+            parser.add_argument(flag, nargs="?", const="on", default=field.default, choices=("auto", "on", "off"),
+                                help="play step N+1's games while step N trains (art.pipeline); default: auto, the "
+                                "plan's choice (off on a CPU)")
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default,
                                 help=f"default: {field.default}")

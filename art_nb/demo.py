@@ -29,6 +29,8 @@ from art_nb.store import HISTORY_FILE, read_jsonl
 
 __all__ = ["DemoConfig", "format_table", "register_and_show_choices", "run_demo"]
 
+_PIPELINE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+
 
 @dataclass
 class DemoConfig:
@@ -45,6 +47,7 @@ class DemoConfig:
     seed: int = 0
     lora_rank: int = 16
     out: str = "out/demo"
+    pipeline: str = "auto"  # "on": art.pipeline plays step N+1's games while step N trains; "auto": the plan's choice
 
     def rate(self) -> tuple[float, str]:
         """(learning rate, why): the one set, else the rule's for the base model's size in this short run."""
@@ -90,6 +93,8 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
         handler.setFormatter(logging.Formatter("  %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
+    if config.pipeline not in _PIPELINE:
+        raise ValueError(f"DemoConfig.pipeline={config.pipeline!r}: use 'auto' (the plan's choice), 'on' or 'off'")
     rate, why = config.rate()
     config = replace(config, learning_rate=rate)  # the summary records the rate that trained
     print(f"learning rate: {why}")
@@ -116,21 +121,29 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
     start = await model.get_step()
     if start >= config.steps:
         print(f"Already trained {start} steps (>= {config.steps}); evaluating only.")
-    for step in range(start, config.steps):
-        started = time.perf_counter()
+
+    async def gather(step: int) -> list[art.TrajectoryGroup]:
         seeds = [config.seed * 1_000_000 + step * 1000 + g for g in range(config.groups_per_step)]
-        groups = await art.gather_trajectory_groups(
+        return await art.gather_trajectory_groups(
             (art.TrajectoryGroup(ttt.rollout(model, ttt.TicTacToeScenario(seed=s)) for _ in range(config.rollouts_per_group))
              for s in seeds),
             pbar_desc=f"step {step + 1}/{config.steps} rollouts",
             max_exceptions=0.1,
         )
+
+    steps = art.pipeline(model, gather, config.steps, enabled=_PIPELINE[config.pipeline])
+    started = time.perf_counter()
+    async for groups in steps:  # pipelined: step N+1's games are played while step N trains
+        if not step_seconds:
+            print(f"pipeline {steps.reason}")
         result = await model.train(groups, config=train_config)
         step_seconds.append(time.perf_counter() - started)
+        started = time.perf_counter()
         m = result.metrics
         print(f"step {result.step}: reward {m.get('reward_mean', float('nan')):.3f}  loss {m.get('loss', float('nan')):+.4f}"
               f"  groups trained {int(m.get('groups', 0))}/{len(groups)} (others: equal rewards)"
-              f"  rollout+train {step_seconds[-1]:.1f}s (train {m.get('time/train', 0):.1f}s)")
+              f"  step {step_seconds[-1]:.1f}s (train {m.get('time/train', 0):.1f}s)"
+              f"{'  games of the step before' if m.get('pipeline/lag_steps') else ''}")
 
     trained_step = await model.get_step()
     print(f"\nEvaluating step {trained_step} on the same {config.eval_games} games...")
@@ -152,6 +165,7 @@ async def run_demo(config: DemoConfig) -> dict[str, Any]:
         "trained": after,
         "trained_step": trained_step,
         "seconds_per_step": step_seconds,
+        "pipeline": steps.reason,
         "checkpoint": str(backend.checkpoint_dir(model)),
         "reward_curve": str(png),
         "choices": backend.choices(model),

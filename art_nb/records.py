@@ -40,6 +40,10 @@ def trajectory_record(trajectory: Trajectory, group: int) -> dict[str, Any]:
         "tools": trajectory.conversation_tools(),
         "logs": trajectory.logs,
     }
+    if trajectory.initial_policy_version is not None or trajectory.final_policy_version is not None:
+        # The adapter step it was sampled from, as ART names it (art_nb.pipelining: the step before, pipelined)
+        record["initial_policy_version"] = trajectory.initial_policy_version
+        record["final_policy_version"] = trajectory.final_policy_version
     if trajectory.additional_histories:
         record["additional_histories"] = [{"messages": h.messages(), "tools": h.tools}
                                           for h in trajectory.additional_histories]

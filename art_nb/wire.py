@@ -295,6 +295,8 @@ class RegisterBody(BaseModel):
 class TrainBody(BaseModel):
     groups: list[dict[str, Any]] = []
     config: dict[str, Any] | None = None
+    # the client's pipeline gathers the next step meanwhile (art_nb.pipelining): the server keeps serving
+    beside: Annotated[bool, Field(strict=True)] = False
 
 
 class SFTBody(BaseModel):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from art_nb.backend import sft_inputs, train_inputs
 from art_nb.config import TrainConfig, report_ignored
+from art_nb.pipelining import rollouts_beside
 from art_nb.sft_config import TrainSFTConfig
 from art_nb.store import model_dir as store_model_dir
 from art_nb.store import register_log_path
@@ -160,7 +161,9 @@ class LocalBackend:
         # trajectories changed in place since they were built are checked again
         checked, chosen = train_inputs(groups, config, kwargs, "LocalBackend.train")
         try:
-            return await self.loop.run(self._runtime.train(model, checked, chosen, on_progress))
+            # A pipeline gathering the next step in this task (art_nb.pipelining): its rollouts run beside the step
+            beside = rollouts_beside()
+            return await self.loop.run(self._runtime.train(model, checked, chosen, on_progress, beside))
         finally:
             quiet.end_first_rollout()
 
@@ -191,9 +194,11 @@ class LocalBackend:
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None = None,
                                  keep_last: int = 1, *, best_metric: str | None = None) -> list[int]:
         """Delete checkpoints: `steps`, or all but the newest `keep_last`, or (ART's rule) all but the
-        served one and the best by history metric `best_metric`. The served step is always kept."""
+        served one and the best by history metric `best_metric`. The served step is always kept, and
+        while a pipeline gathers (art_nb.pipelining) the one before it, which its rollouts sample."""
         steps = None if steps is None else list(steps)
-        return await self.loop.run(self._runtime.delete_checkpoints(model, steps, keep_last, best_metric))
+        return await self.loop.run(self._runtime.delete_checkpoints(model, steps, keep_last, best_metric,
+                                                                    keep_previous=rollouts_beside()))
 
     async def wait_for_checkpoint(self, model: TrainableModelRef) -> int:
         """Wait until the served step's checkpoint is complete on disk, and return that step.

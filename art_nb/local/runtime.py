@@ -212,6 +212,7 @@ class Runtime:
             # resident trainer would be counted twice (the plan budgets it too).
             with planned_memory(self.snapshots.get(key)):
                 engine = await _create_engine(state.plan, Path(key[0]), state.config)
+            from .plan.choices import pipeline_choice
             from .server.templates import apply_prompt_config
 
             apply_prompt_config(engine.tokenizer, None, state.config, state.model_name)
@@ -221,13 +222,14 @@ class Runtime:
                     other.engine = engine
                     other.loaded_adapters.clear()  # the others load theirs on their next request
             state.choices["engine_restart"] = f"the previous engine died ({reason}); a new one was started"
+            state.choices["pipeline"] = pipeline_choice(state.plan, engine.serves_while_training)
             if state.step > 0:
                 await engine.load_adapter(state.adapter_name(state.step), state.store.checkpoint_dir(state.step))
                 state.loaded_adapters.add(state.step)
 
     async def _load(self, model: TrainableModelRef, clock: PhaseClock) -> ModelState:
         from .plan.base_models import resolve_base_model
-        from .plan.choices import engine_fallback, plan_for
+        from .plan.choices import engine_fallback, pipeline_choice, plan_for
 
         store = ModelStore(self.path, model.project, model.name)
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
@@ -260,6 +262,7 @@ class Runtime:
             from .server.templates import apply_prompt_config
 
             choices.update(apply_prompt_config(engine.tokenizer, trainer.tokenizer, model.backend_config, model.name))
+            choices["pipeline"] = pipeline_choice(plan, engine.serves_while_training)
             state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine,
                                trainer, await self._start_from(store, model.base_model, trainer, clock, choices), choices)
             if state.step > 0:
@@ -303,8 +306,9 @@ class Runtime:
     # ---- what the backend facade forwards -------------------------------------------------------
 
     async def train(self, model: TrainableModelRef, groups: list[TrajectoryGroup], config: TrainConfig,
-                    on_progress: ProgressCallback | None) -> TrainResult:
-        return await train_step.train(self.state(model), await self.ensure_server(), groups, config, on_progress)
+                    on_progress: ProgressCallback | None, beside: bool = False) -> TrainResult:
+        return await train_step.train(self.state(model), await self.ensure_server(), groups, config, on_progress,
+                                      beside)
 
     async def settle(self, model: TrainableModelRef) -> int:
         state = self.state(model)
@@ -322,7 +326,7 @@ class Runtime:
         return await asyncio.to_thread(record_groups, store, model.name, split, step, as_groups(items), metrics)
 
     async def delete_checkpoints(self, model: TrainableModelRef, steps: Iterable[int] | None,
-                                 keep_last: int, best_metric: str | None = None) -> list[int]:
+                                 keep_last: int, best_metric: str | None = None, keep_previous: bool = False) -> list[int]:
         state = self.state(model)
         # The served step's checkpoint may still be written in the background: counted among the newest
         # once it is on disk (keep_last=1 kept the step before it too, as if that were the newest).
@@ -335,7 +339,7 @@ class Runtime:
             targets = set(steps)
         else:
             targets = set(existing[: max(0, len(existing) - max(keep_last, 1))])
-        targets.discard(state.step)
+        targets -= {state.step, state.step - 1} if keep_previous else {state.step}
         for step in targets & set(state.loaded_adapters):
             await state.engine.unload_adapter(state.adapter_name(step))
             state.loaded_adapters.discard(step)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from art_nb import events
 from art_nb.config import TrainConfig
+from art_nb.pipelining import policy_lag
 from art_nb.records import UNTRAINABLE_FIX, check_trainable, record_groups, record_metrics
 from art_nb.trajectories import TrajectoryGroup
 from art_nb.types import LocalTrainResult, ProgressCallback, TrainResult
@@ -41,19 +42,24 @@ _log = logging.getLogger("art_nb")
 
 
 async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryGroup], config: TrainConfig,
-                on_progress: ProgressCallback | None) -> TrainResult:
+                on_progress: ProgressCallback | None, beside: bool = False) -> TrainResult:
     """One GRPO step on `groups`; returns once the new adapter is served (its checkpoint finishes later).
 
     A step with nothing to train because its trajectories hold no Choice is refused (ValueError)
     before anything is recorded or saved; a step where only some lack one trains the rest and
     records how many in `untrainable_trajectories`, with a warning.
+
+    `beside`: the next step's rollouts run now (art_nb.pipelining). Requests are then held only if the
+    engine sleeps for training (`Engine.train_with`'s `hold`), so an engine that serves while it
+    trains keeps answering them, and the new adapter is handed over without holding them.
     """
     untrainable = check_trainable(groups)
     async with state.train_lock:
         started = time.perf_counter()
         if state.commit is not None and state.commit.done():
             await settle(state, gate)  # one that already failed rolls back and raises before anything is recorded
-        reported: dict[str, float] = {"untrainable_trajectories": float(untrainable)}
+        reported: dict[str, float] = {"untrainable_trajectories": float(untrainable),
+                                      **policy_lag(groups, state.step), **({"pipeline/beside": 1.0} if beside else {})}
         if untrainable:
             _log.warning("step %d: %d of %d trajectories have 0 trainable tokens (no Choice): %s; the rest train",
                          state.step, untrainable, sum(len(g.trajectories) for g in groups), UNTRAINABLE_FIX)
@@ -61,8 +67,8 @@ async def train(state: ModelState, gate: InferenceGate, groups: list[TrajectoryG
                                 state.model_name, "train", state.step, groups)
         control = StepControl()
         result = await run_to_the_end(
-            _update(state, gate, groups, config, control, guarded(on_progress), reported, started), control,
-            "train step")
+            _update(state, gate, groups, config, control, guarded(on_progress), reported, started, beside),
+            control, "train step")
         assert result is not None  # only an interrupted step is abandoned
         return result
 
@@ -91,13 +97,14 @@ async def run_to_the_end(update: Coroutine[Any, Any, T], control: StepControl, w
 
 async def _update(state: ModelState, gate: InferenceGate, groups: list[TrajectoryGroup], config: TrainConfig,
                   control: StepControl, on_progress: ProgressCallback | None,
-                  timings: dict[str, float], started: float) -> TrainResult | None:
-    """Hold requests, take the step, stage its checkpoint, serve it, and start finishing the checkpoint
-    in the background. None when `control.stop` abandoned the step."""
+                  timings: dict[str, float], started: float, beside: bool) -> TrainResult | None:
+    """Hold requests (unless rollouts run beside the step), take the step, stage its checkpoint, serve
+    it, and start finishing the checkpoint in the background. None when `control.stop` abandoned the step."""
     step, new_step = state.step, state.step + 1
     mark = time.perf_counter()
     try:
-        await gate.pause()  # inside: an interrupt while requests drain must reopen the gate too
+        if not beside:
+            await gate.pause()  # inside: an interrupt while requests drain must reopen the gate too
         timings["time/pause"] = time.perf_counter() - mark
         events.emit("train_started", model=state.model_name, step=step, groups=len(groups))
         mark = time.perf_counter()
@@ -105,7 +112,8 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
         # The previous checkpoint is still being written; the trainer waits for it before its update
         before_update = CommitWaiter(state.commit)
         metrics = await state.engine.train_with(lambda: asyncio.to_thread(
-            state.trainer.train_step, groups, config, control.stop.is_set, on_progress, before_update))
+            state.trainer.train_step, groups, config, control.stop.is_set, on_progress, before_update),
+            hold=gate.pause)
         timings["time/train"] = time.perf_counter() - mark
         await settle(state, gate)  # done by now unless the step ended early; a failure rolls back and raises
         if state.commit_seconds is not None:  # reported with the step after it
@@ -117,7 +125,7 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
         if metrics.get("nonfinite_weights"):  # the update itself went bad: back to the last good weights
             await asyncio.to_thread(state.trainer.load, state.store.checkpoint_dir(step))
         _count_nonfinite(state, metrics, config)
-        await publish(state, new_step, timings)
+        await publish(state, new_step, timings, keep_recent=beside)
     finally:
         gate.resume()
     result = await finish(state, "train", step, {**metrics, **timings}, started)
@@ -125,9 +133,10 @@ async def _update(state: ModelState, gate: InferenceGate, groups: list[Trajector
     return result
 
 
-async def publish(state: ModelState, new_step: int, timings: dict[str, float]) -> None:
+async def publish(state: ModelState, new_step: int, timings: dict[str, float], keep_recent: bool = False) -> None:
     """Serve the trainer's update as step `new_step` and start writing its checkpoint in the background;
-    `state.step` becomes `new_step`. Called with requests held.
+    `state.step` becomes `new_step`. Requests are held, or (`keep_recent`, a pipeline's rollouts running)
+    still ask for the previous step, which then stays loaded as one of the recent ones.
 
     The update reaches the engine in memory: `time/save` is the trainer's CPU copy of the adapter
     (and RNG state), `time/swap` the engine taking it. Nothing is read from disk on this path; the
@@ -146,7 +155,7 @@ async def publish(state: ModelState, new_step: int, timings: dict[str, float]) -
     timings["time/save"] = time.perf_counter() - mark
     mark = time.perf_counter()
     try:
-        await _serve(state, new_step, weights)
+        await _serve(state, new_step, weights, keep=state.config.max_loaded_adapters if keep_recent else 1)
     finally:  # whether or not the engine took it, the update is the trainer's now: make it durable
         state.commit = start_commit(state, new_step, weights, write_state)
     timings["time/swap"] = time.perf_counter() - mark
@@ -169,13 +178,15 @@ def _copy_update(state: ModelState) -> tuple[AdapterWeights, Callable[[Path], No
     return state.trainer.adapter_weights(), state.trainer.snapshot_state()
 
 
-async def _serve(state: ModelState, step: int, weights: AdapterWeights) -> None:
-    """Serve `step`'s adapter from memory and drop the older ones from the engine (their files stay on disk)."""
-    await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step), weights=weights)
-    state.loaded_adapters.add(step)
-    for old in sorted(s for s in state.loaded_adapters if s != step):
-        await state.engine.unload_adapter(state.adapter_name(old))
-        state.loaded_adapters.discard(old)
+async def _serve(state: ModelState, step: int, weights: AdapterWeights, keep: int) -> None:
+    """Serve `step`'s adapter from memory and drop older ones from the engine beyond `keep` adapters
+    (least recently used first, never one a request is using; their files stay on disk)."""
+    async with state.adapter_lock:  # requests may load old steps meanwhile (adapters.py)
+        await state.engine.load_adapter(state.adapter_name(step), state.store.checkpoint_dir(step), weights=weights)
+        state.loaded_adapters.add(step)
+        for old in state.loaded_adapters.beyond(keep, keep=step):
+            await state.engine.unload_adapter(state.adapter_name(old))
+            state.loaded_adapters.discard(old)
 
 
 def _count_nonfinite(state: ModelState, metrics: dict[str, float], config: TrainConfig) -> None:

@@ -37,6 +37,7 @@ from art_nb import events
 from art_nb._version import __version__
 from art_nb.backend import sft_inputs, train_inputs
 from art_nb.config import TrainConfig
+from art_nb.pipelining import rollouts_beside
 from art_nb.records import UnknownMetricError
 from art_nb.secrets import Secret, find_secret
 from art_nb.sft_config import TrainSFTConfig
@@ -200,7 +201,8 @@ class RemoteBackend:
         """One step on the server. ART's `backend.train(model, groups, learning_rate=..., ...)` works
         unchanged (art_nb.porting maps its arguments onto TrainConfig)."""
         checked, chosen = train_inputs(groups, config, kwargs, "RemoteBackend.train")  # before anything is sent
-        body = {"groups": [group_to_wire(g) for g in checked], "config": chosen.model_dump(mode="json")}
+        body = {"groups": [group_to_wire(g) for g in checked], "config": chosen.model_dump(mode="json"),
+                "beside": rollouts_beside()}  # a pipeline's rollouts run meanwhile: the server keeps serving them
         return await self._stream_step(model, "train", body, on_progress)
 
     async def train_sft(self, model: TrainableModelRef, trajectories: Iterable[Trajectory],

@@ -62,6 +62,7 @@ from art_nb.config import ModelConfig, TrainConfig
 from art_nb.local.server.schema import validation_error
 from art_nb.model import TrainableModel
 from art_nb.nofollow import StorePathError, open_servable, servable_files
+from art_nb.pipelining import rollouts_run_beside
 from art_nb.records import UnknownMetricError
 from art_nb.secrets import Secret
 from art_nb.sft_config import TrainSFTConfig
@@ -215,8 +216,11 @@ class _Service:
             groups = await asyncio.to_thread(lambda: [group_from_wire(g) for g in body.groups])
         except (ValidationError, ValueError, TypeError, AttributeError) as exc:
             raise _wire_error("groups", exc) from None
-        return self._stream_step(model, "train", {"groups": len(groups)}, lambda on_progress: self.backend.train(
-            model, groups, config, on_progress=on_progress))
+        async def train(on_progress: ProgressCallback) -> TrainResult:
+            with rollouts_run_beside(body.beside):  # the client's pipeline gathers meanwhile
+                return await self.backend.train(model, groups, config, on_progress=on_progress)
+
+        return self._stream_step(model, "train", {"groups": len(groups)}, train)
 
     async def train_sft(self, request: Request) -> StreamingResponse:
         """`train_sft` over the same stream as `train` (and in turn with it: one update of a model at a

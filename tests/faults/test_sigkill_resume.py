@@ -108,8 +108,8 @@ def adapter(run_dir: Path) -> dict[str, torch.Tensor]:
 class Chain:
     """One run directory, killed again and again; checks the disk after every kill."""
 
-    def __init__(self, zygote: Zygote, run_dir: Path, model: Path) -> None:
-        self.zygote, self.run_dir, self.model = zygote, run_dir, model
+    def __init__(self, zygote: Zygote, run_dir: Path, model: Path, scenario: str = "train") -> None:
+        self.zygote, self.run_dir, self.model, self.scenario = zygote, run_dir, model, scenario
         self.kills: list[str] = []
 
     def _before(self) -> tuple[int, dict[Path, bytes], int]:
@@ -130,7 +130,7 @@ class Chain:
 
     def kill_at(self, point: str) -> None:
         resume_at, logs, seen = self._before()
-        code = self.zygote.run(scenario="train", run_dir=self.run_dir, model_dir=self.model, kill=point)
+        code = self.zygote.run(scenario=self.scenario, run_dir=self.run_dir, model_dir=self.model, kill=point)
         # The kill may come from the thread finishing a checkpoint in the background while the
         # main thread logs one more event: the last "kill" event, not the last event, names it.
         last = next(e for e in reversed(read_events(self.run_dir)[seen:]) if e["event"] in ("kill", "finished"))
@@ -143,7 +143,7 @@ class Chain:
     def kill_after(self, seconds: float) -> None:
         """SIGKILL `seconds` after the run has resumed (the restart itself takes a varying time)."""
         resume_at, logs, seen = self._before()
-        pid = self.zygote.start(scenario="train", run_dir=self.run_dir, model_dir=self.model)
+        pid = self.zygote.start(scenario=self.scenario, run_dir=self.run_dir, model_dir=self.model)
         wait_for_event(self.run_dir, "resumed", pid=pid)
         code = self.zygote.signal_after(pid, seconds)
         if code is None:
@@ -154,7 +154,7 @@ class Chain:
 
     def finish(self) -> None:
         resume_at, logs, seen = self._before()
-        code = self.zygote.run(scenario="train", run_dir=self.run_dir, model_dir=self.model)
+        code = self.zygote.run(scenario=self.scenario, run_dir=self.run_dir, model_dir=self.model)
         assert code == 0, self.zygote.log()
         self._after(resume_at, logs, seen, "final run")
         assert complete_steps(self.run_dir)[-1] == STEPS

@@ -24,10 +24,10 @@ async def test_each_step_runs_the_trainer_inside_one_train_with(tiny_model_dir: 
         log: list[str] = []
         real_with, real_step = engine.train_with, trainer.train_step
 
-        async def watched_with(step):
+        async def watched_with(step, hold=None):
             log.append("enter")
             try:
-                return await real_with(step)
+                return await real_with(step, hold)
             finally:
                 log.append("exit")
 

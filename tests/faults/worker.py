@@ -306,6 +306,42 @@ async def train_run(run_dir: Path, model_dir: Path) -> None:
     event("finished", step=await model.get_step())
 
 
+async def pipeline_run(run_dir: Path, model_dir: Path) -> None:
+    """`train_run` pipelined (art.pipeline, forced on): each step's games are played while the step
+    before trains, from the adapter before it; resumed, it carries on as the loop of a notebook would."""
+    import art_nb as art
+
+    rollout = rollout_fn()
+    backend = art.LocalBackend(path=run_dir / "art")
+    model = make_model(model_dir)
+    await model.register(backend)
+    start = await model.get_step()
+    pending = backend._state(model).trainer._pending_optimizer_state
+    event("resumed", step=start, optimizer_tensors=0 if pending is None else len(pending["state"]))
+    hit("resumed")
+    batches = iter(art.iterate_dataset(SCENARIOS, groups_per_step=GROUPS_PER_STEP, initial_step=start, seed=7,
+                                       use_tqdm=False))
+
+    async def gather(step: int) -> list[Any]:
+        batch = next(batches)
+        assert batch.step == step, (batch.step, step)
+        event("gather_started", step=step)
+        groups = await art.gather_trajectory_groups(
+            [art.TrajectoryGroup(rollout(model, s, step, i) for i in range(GROUP_SIZE)) for s in batch.items],
+            pbar_desc=None,
+        )
+        event("gathered", step=step, scenarios=batch.items)
+        hit("gathered")
+        return groups
+
+    async for groups in art.pipeline(model, gather, STEPS, enabled=True):
+        result = await model.train(groups, config=art.TrainConfig(learning_rate=LEARNING_RATE))
+        event("trained", step=result.step, lag=result.metrics.get("pipeline/lag_steps"),
+              beside=result.metrics.get("pipeline/beside", 0.0))
+        hit("trained")
+    event("finished", step=await model.get_step())
+
+
 # ---- disk full: a real write error from the kernel ----------------------------------------------
 
 
@@ -460,6 +496,8 @@ def run(command: dict[str, Any]) -> None:
     event("started", scenario=scenario, kill=command.get("kill"))
     if scenario == "train":
         asyncio.run(train_run(_run_dir, model_dir))
+    elif scenario == "pipeline":
+        asyncio.run(pipeline_run(_run_dir, model_dir))
     elif scenario == "disk_full":
         asyncio.run(disk_full_run(_run_dir, model_dir))
     elif scenario == "sigint":

@@ -150,14 +150,24 @@ class Engine(Protocol):
         """
         ...
 
-    async def train_with(self, step: Callable[[], Awaitable[T]]) -> T:
+    @property
+    def serves_while_training(self) -> bool:
+        """Whether `train_with` keeps serving requests while the step trains (vLLM awake beside a
+        training that fits; any engine on a CPU, where sleeping frees nothing), as planned now. The
+        plan's pipeline choice reads it at register."""
+        ...
+
+    async def train_with(self, step: Callable[[], Awaitable[T]],
+                         hold: Callable[[], Awaitable[None]] | None = None) -> T:
         """Run one train step, `step()`, with this engine's memory arranged for training.
 
         The engine frees what its plan says training needs (e.g. vLLM sleeps unless training fits
         beside it) and is awake again when this returns or raises. A callable rather than a context
         manager because the engine may run `step` a second time: after an out-of-memory error
         beside an awake engine it sleeps and retries (exact, since the trainer raised before its
-        optimizer stepped), and sleeps for every later step.
+        optimizer stepped), and sleeps for every later step. `hold()` holds new requests and returns
+        once those in flight are done: before it sleeps an engine calls it (or holds them itself), so
+        no request reaches a sleeping engine; awake beside training it does not (a pipeline's run on).
         """
         ...
 

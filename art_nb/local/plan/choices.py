@@ -26,7 +26,8 @@ from art_nb.config import ModelConfig
 from . import hardware as detection  # detection.detect_hardware(), looked up per call: one place to simulate a GPU
 from .hardware import Hardware
 
-__all__ = ["Plan", "compute_dtype", "engine_fallback", "import_unsloth", "plan_for", "unsloth_unavailable_reason"]
+__all__ = ["Plan", "compute_dtype", "engine_fallback", "import_unsloth", "pipeline_choice", "plan_for",
+           "unsloth_unavailable_reason"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,24 @@ def engine_fallback(plan: Plan, config: ModelConfig, error: BaseException) -> Pl
     why = (f"transformers: vLLM failed to start on this sm{major}{minor} GPU ({type(error).__name__}: {first_line}); "
            "set ModelConfig(engine='vllm') to see the whole error instead")
     return replace(plan, engine="hf", reasons={**plan.reasons, "engine": why})
+
+
+def pipeline_choice(plan: Plan, serves_while_training: bool) -> str:
+    """Whether `art_nb.pipeline(enabled="auto")` runs step N+1's rollouts while step N trains, and why:
+    "on: ..." or "off: ...". On only where the engine keeps serving through a step on a GPU; forced
+    on (enabled=True) it works everywhere, the rollouts waiting where the engine pauses."""
+    if plan.device != "cuda":
+        return (f"off: CPU: rollouts and training share its cores ({_PIPELINE_ON_CPU}); "
+                "art.pipeline(..., enabled=True) overlaps them anyway")
+    if not serves_while_training:
+        what = "vLLM sleeps" if plan.engine == "vllm" else "the transformers engine moves its weights off the GPU"
+        return (f"off: {what} while training (the memory reasons say why), so the next step's rollouts "
+                "would only wait for the step")
+    return ("on: vLLM stays awake while training (the memory plan fits training beside it), so the next "
+            "step's rollouts run during the step, sampled from the adapter before it (one step off-policy)")
+
+
+_PIPELINE_ON_CPU = "measured on 2 cores: see bench/results/cpu_pipeline.json"
 
 
 def _trainer(config: ModelConfig, hw: Hardware) -> tuple[str, str]:

@@ -93,6 +93,7 @@ class HFEngine:
         self.stats = EngineStats()
         # Bytes of KV kept for reuse across turns; 0 turns it off, None takes a share of the device's memory.
         self.prefix_cache = PrefixCache(default_budget(device) if prefix_cache_bytes is None else prefix_cache_bytes)
+        self.serves_while_training = device.type != "cuda"  # on CUDA the weights leave for a step (train_with)
 
         self._executor = ThreadPoolExecutor(1, "art_nb-hf", initializer=torch.set_num_threads, initargs=(threads,))
         self._pending: deque[Row] = deque()
@@ -187,11 +188,11 @@ class HFEngine:
         """Why the engine stopped serving (closed, crashed, stalled), or None while it serves."""
         return self._dead
 
-    async def train_with(self, step: Callable[[], Awaitable[T]]) -> T:
+    async def train_with(self, step: Callable[[], Awaitable[T]], hold: Callable[[], Awaitable[None]] | None = None) -> T:
         """Run `step()` with the weights on CPU (on CUDA; on CPU nothing moves), awake again after.
 
         Training's activations and optimizer state need the accelerator memory the served copy
-        holds; requests wait meanwhile (the backend's gate), so nothing is lost by moving it.
+        holds; new rows wait meanwhile (`sleep` holds them; `hold` is not needed), so nothing is lost.
         """
         try:
             await self.sleep()

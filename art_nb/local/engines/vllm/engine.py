@@ -153,19 +153,23 @@ class VLLMEngine:
             return "the engine was closed"
         return None
 
-    async def train_with(self, step: Callable[[], Awaitable[_T]]) -> _T:
+    @property
+    def serves_while_training(self) -> bool:  # awake as the memory plan said, until an out-of-memory error there
+        return not self._on_cuda or self._train_awake
+
+    async def train_with(self, step: Callable[[], Awaitable[_T]], hold: Callable[[], Awaitable[None]] | None = None) -> _T:
         """Sleep unless the memory plan keeps vLLM awake for training, run `step()`, wake.
 
         Out of GPU memory beside the awake engine, the plan was wrong for this batch: sleep, run
         `step()` again (exact: the trainer raised before its optimizer stepped, and emptied the
-        allocator's cache on the way out) and sleep for every later step.
+        allocator's cache on the way out) and sleep for every later step. Each sleep `hold()`s first.
         """
         import torch  # loaded with vLLM already; here for its out-of-memory error
 
         awake = self._train_awake
         try:
             if not awake:
-                await self.sleep()
+                await self.sleep(hold)
             try:
                 return await step()
             except torch.OutOfMemoryError as error:
@@ -174,7 +178,7 @@ class VLLMEngine:
                 _log.warning("training ran out of GPU memory beside an awake vLLM (%s); vLLM sleeps for "
                              "training from now on", str(error).splitlines()[0][:200])
                 self._train_awake = False
-                await self.sleep()
+                await self.sleep(hold)
                 return await step()
         finally:
             await self.wake()
@@ -279,13 +283,15 @@ class VLLMEngine:
 
     # ---- memory ----------------------------------------------------------------------------------
 
-    async def sleep(self) -> None:
+    async def sleep(self, hold: Callable[[], Awaitable[None]] | None = None) -> None:
         """Free the KV cache and move the weights to CPU (vLLM sleep level 1). A no-op off CUDA.
 
-        Runs once every accepted request has finished (the backend's gate admits no new ones)."""
+        Runs once every accepted request has finished (the backend's gate admits no new ones: `hold()`)."""
         self._check_alive()
         if not self._on_cuda or self._asleep:
             return
+        if hold is not None:  # requests beside a step (a pipeline's) finish; later ones wait at the gate
+            await hold()
         self._asleep = True  # refuse new requests now: one queued behind the sleep would run on a sleeping engine
         try:
             await self._call(self._engine.sleep, 1, when_idle=True)
