@@ -52,7 +52,7 @@ class NotebookDefaults:
     rollouts_per_group: int
     learning_rate: float
     eval_games: int
-    max_turns: int | None = None  # games with a turn limit (2048); None where the game ends by itself
+    max_turns: int | None = None  # a limit on turns (2048's moves, the agent's model calls); None: the task ends itself
     reasons: dict[str, str] = field(default_factory=dict)
 
     def model_config(self, **overrides: Any) -> ModelConfig:
@@ -141,6 +141,15 @@ _TASK_SHAPES: Mapping[str, dict[str, tuple[int, int, int]]] = {
     "tic_tac_toe": {"cpu": (4, 6, 1024), "gpu": (8, 8, 2048)},
     "2048": {"cpu": (3, 4, 2048), "gpu": (8, 8, 4096)},
     "custom": {"cpu": (4, 6, 1024), "gpu": (8, 8, 2048)},
+    "tool_agent": {"cpu": (4, 6, 1536), "gpu": (8, 8, 4096)},
+}
+
+# Per task with a turn limit: (limit, why) on CPU and on a GPU.
+_TURN_LIMITS: Mapping[str, dict[str, tuple[int, str]]] = {
+    "2048": {"cpu": (10, "10 moves per game: long conversations are the slow part on a CPU"),
+             "gpu": (40, "40 moves per game: reaching the 64 tile takes about 27")},
+    "tool_agent": {"cpu": (3, "3 model calls per question: the two-lookup questions need exactly 3"),
+                   "gpu": (6, "6 model calls per question: room to retry a failed lookup")},
 }
 
 
@@ -158,21 +167,23 @@ def _shared_reasons(task: str, seq: int) -> dict[str, str]:
     return {
         "rollouts_per_group": "enough rollouts that rewards within a group differ",
         "max_seq_len": f"{seq} tokens hold the longest {task.replace('_', '-')} conversation used here",
-        "eval_games": "fixed games scored greedily, the same for the base model and the trained one",
+        "eval_games": (f"fixed {'questions' if task == 'tool_agent' else 'games'} scored greedily, the same for "
+                       "the base model and the trained one"),
     }
 
 
 def _cpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     groups, rollouts, seq = _TASK_SHAPES[task]["cpu"]
+    turns, turns_why = _TURN_LIMITS.get(task, {}).get("cpu", (None, ""))
     steps = 8
     rate, rate_why = learning_rate_for(TINY_MODEL, short_run=True)
     return NotebookDefaults(
         hardware=hw, task=task, base_model=TINY_MODEL, lora_rank=16, max_seq_len=seq, steps=steps,
         groups_per_step=groups, rollouts_per_group=rollouts, learning_rate=rate, eval_games=32,
-        max_turns=10 if task == "2048" else None,
+        max_turns=turns,
         reasons={
             **_shared_reasons(task, seq),
-            "max_turns": "10 moves per game: long conversations are the slow part on a CPU",
+            "max_turns": turns_why,
             "base_model": "no GPU: the 135M model runs on a CPU and has an offline copy (no download needed)",
             "steps": (f"a few steps: a tic-tac-toe step took 130-254 s on 2 CPU cores (the CPU demo); "
                       f"{hw.cpu_count} here"),
@@ -185,6 +196,7 @@ def _cpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
 def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     assert hw.gpu_capability is not None and hw.gpu_memory_gib is not None
     groups, rollouts, seq = _TASK_SHAPES[task]["gpu"]
+    turns, turns_why = _TURN_LIMITS.get(task, {}).get("gpu", (None, ""))
     if hw.gpu_capability < (8, 0):
         # A T4 is slow at anything (65 fp16 TFLOPS, 320 GB/s), and slower still on the transformers engine,
         # which serves when vLLM cannot start there: a 0.5B model keeps steps short.
@@ -199,10 +211,10 @@ def _gpu_defaults(hw: Hardware, task: str) -> NotebookDefaults:
     return NotebookDefaults(
         hardware=hw, task=task, base_model=base_model, lora_rank=16, max_seq_len=seq, steps=steps,
         groups_per_step=groups, rollouts_per_group=rollouts, learning_rate=rate, eval_games=64,
-        max_turns=40 if task == "2048" else None,
+        max_turns=turns,
         reasons={
             **_shared_reasons(task, seq),
-            "max_turns": "40 moves per game: reaching the 64 tile takes about 27",
+            "max_turns": turns_why,
             "base_model": model_why,
             "steps": f"{steps} steps: enough for the reward curve to climb on a GPU",
             "groups_per_step": f"{groups} groups x {rollouts} rollouts: a GPU serves them in one batch",

@@ -37,6 +37,10 @@ CASES = {
     "2048": ("game-2048", {"EVAL_GAMES": 2, "MAX_TURNS": 3}),
     # The custom notebook runs its SFT warm start too: its checkpoint is step 1, GRPO then takes step 2.
     "custom_rollout": ("my-task", {"EVAL_SCENARIOS": 2, "SFT_WARM_START": True}),
+    # A LangGraph agent over the orders database, captured; its prompt (tools, one worked question) is longer.
+    # Its SFT warm start on one batch of scripted runs is step 1, as the custom notebook's.
+    "tool_agent": ("tool-agent", {"EVAL_QUESTIONS": 2, "MAX_TURNS": 2, "MAX_SEQ_LEN": 1536, "SFT_WARM_START": True,
+                                  "SFT_DEMONSTRATIONS": 4}),
 }
 
 

@@ -77,6 +77,14 @@ def test_an_a100_gets_vllm_unsloth_and_bfloat16():
     assert engine_fallback(plan, defaults.model_config(), VLLM_FAILED) is None  # sm80+: a fault to see
 
 
+def test_the_tool_agent_gets_a_limit_on_model_calls_and_room_for_its_prompt():
+    cpu, a100 = pick_defaults(NO_GPU, "tool_agent"), pick_defaults(A100, "tool_agent")
+    assert (cpu.max_turns, a100.max_turns) == (3, 6)  # the two-lookup questions take 3 model calls
+    assert "3 model calls" in cpu.reasons["max_turns"] and "questions" in cpu.reasons["eval_games"]
+    assert cpu.max_seq_len >= 1536 and a100.max_seq_len >= 4096  # tools, one worked question, 3 turns
+    assert pick_defaults(NO_GPU, "custom").max_turns is None
+
+
 def test_an_a100_without_unsloth_trains_with_peft_and_says_why():
     a100 = replace(A100, packages={**A100.packages, "unsloth": None})
     rows = shown(pick_defaults(a100))

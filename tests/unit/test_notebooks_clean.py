@@ -10,6 +10,7 @@ import importlib.metadata
 import io
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 from art_nb.notebook import install as install_step  # imported before metadata is faked, as the cell's own process does
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
-EXPECTED = {"tic_tac_toe.ipynb", "2048.ipynb", "custom_rollout.ipynb"}
+EXPECTED = {"tic_tac_toe.ipynb", "2048.ipynb", "custom_rollout.ipynb", "tool_agent.ipynb"}
 PARAMETERS = {"BASE_MODEL", "STEPS", "GROUPS_PER_STEP", "ROLLOUTS_PER_GROUP", "LEARNING_RATE", "KEEP_ON_DRIVE"}
 
 
@@ -38,7 +39,7 @@ def code_cells(notebook: dict) -> list[dict]:
     return [c for c in notebook["cells"] if c["cell_type"] == "code"]
 
 
-def test_the_three_notebooks_exist():
+def test_the_four_notebooks_exist():
     assert {p.name for p in NOTEBOOKS} >= EXPECTED
 
 
@@ -95,9 +96,10 @@ def test_notebook_shape(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_talk_to_your_model_after_training_before_export(path):
     cells = code_cells(load(path))
-    talk = [i for i, c in enumerate(cells) if "PROMPT" in source(c) and "openai_client()" in source(c)]
+    talk = [i for i, c in enumerate(cells) if "PROMPT = " in source(c)]
     assert len(talk) == 1
     text = source(cells[talk[0]])
+    assert "openai_client()" in text or "rollout(model" in text  # the endpoint itself, or the notebook's agent
     assert "model.get_inference_name(0)" in text and "model.get_inference_name()" in text  # base vs trained
     assert "temperature=0.0" in text and '# @param {type:"string"}' in text  # greedy; a text box on Colab
     trained = next(i for i, c in enumerate(cells) if "model.train(" in source(c))
@@ -114,6 +116,21 @@ def test_first_cell_says_what_runs_how_long_and_where(path):
     assert "not measured on a T4" in text and "not an A100" in text
     assert "A CPU runtime runs the tiny model, SmolLM2-135M-Instruct" in text
     assert "ART_NB_SOURCE" in text and "KEEP_ON_DRIVE" in text
+
+
+def test_the_notebook_extra_holds_what_the_tool_agent_imports():
+    """The install cell installs the `notebook` extra on every runtime: the agent framework must be in it."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed = {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0] for r in extras["notebook"]}
+    cells = code_cells(load(next(p for p in NOTEBOOKS if p.name == "tool_agent.ipynb")))
+    imported = {node.module.split(".")[0] for c in cells for node in ast.walk(ast.parse(source(c)))
+                if isinstance(node, ast.ImportFrom) and node.module}
+    assert {"langgraph", "langchain_openai", "langchain_core"} <= imported
+    # langchain_core comes with both
+    assert {"langgraph", "langchain-openai"} <= installed
 
 
 def test_custom_rollout_has_one_clearly_marked_rollout_cell():

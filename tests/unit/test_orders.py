@@ -74,7 +74,8 @@ def test_the_questions_cover_every_kind_with_unique_ids_and_questions():
 
 def test_the_same_seed_builds_the_same_database_and_another_seed_does_not():
     def dump(db):
-        return [db.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall() for table in ("customers", "orders", "items")]
+        tables = ("customers", "orders", "items")
+        return [db.execute(f"SELECT * FROM {table} ORDER BY rowid").fetchall() for table in tables]
 
     assert dump(orders.build_database(0)) == dump(orders.build_database(0))
     assert dump(orders.build_database(0)) != dump(orders.build_database(1))
