@@ -33,7 +33,8 @@ STEPS = 2
 SMALL = {"STEPS": STEPS, "GROUPS_PER_STEP": 1, "ROLLOUTS_PER_GROUP": 4, "MAX_SEQ_LEN": 768}
 CASES = {
     # notebook: (model name in the notebook, extra parameters)
-    "tic_tac_toe": ("tic-tac-toe", {"EVAL_GAMES": 2}),
+    # Forced pipelined (the CPU plan leaves it off): step 1's games are played while step 0 trains.
+    "tic_tac_toe": ("tic-tac-toe", {"EVAL_GAMES": 2, "PIPELINE": True}),
     "2048": ("game-2048", {"EVAL_GAMES": 2, "MAX_TURNS": 3}),
     # The custom notebook runs its SFT warm start too: its checkpoint is step 1, GRPO then takes step 2.
     "custom_rollout": ("my-task", {"EVAL_SCENARIOS": 2, "SFT_WARM_START": True}),
@@ -89,6 +90,9 @@ def test_notebook_runs_top_to_bottom(name, executed):
     last = model_dir / "checkpoints" / f"{STEPS:04d}"
     assert (last / "adapter_model.safetensors").is_file() and (last / "meta.json").is_file()
     assert (model_dir / "trajectories" / "train" / f"{STEPS - 1:04d}.jsonl").is_file()
+    if CASES[name][1].get("PIPELINE"):  # the last step trained games sampled from the adapter before it
+        lines = (model_dir / "trajectories" / "train" / f"{STEPS - 1:04d}.jsonl").read_text().splitlines()
+        assert {json.loads(line)["initial_policy_version"] for line in lines} == {STEPS - 2}
 
     # A summary with the reward of every step, and the curve.
     summary = json.loads((out / "summary.json").read_text())

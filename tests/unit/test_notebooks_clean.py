@@ -75,7 +75,10 @@ def test_notebook_shape(path):
                 for t in node.targets if isinstance(t, ast.Name)}
     assert PARAMETERS <= assigned, PARAMETERS - assigned
     training = [c for c in cells if "model.train(" in source(c)]
-    assert len(training) == 1 and "range(await model.get_step(), STEPS)" in source(training[0])
+    loop = source(training[0]) if len(training) == 1 else ""
+    # resumable: from the served step up to STEPS, by hand or through art.pipeline (whose switch is a parameter)
+    assert "range(await model.get_step(), STEPS)" in loop or "art.pipeline(model, gather, STEPS, enabled=PIPELINE)" in loop
+    assert "enabled=PIPELINE" not in loop or "PIPELINE" in assigned
     assert any("get_inference_name(0)" in source(c) for c in cells), "evaluation against the base model"
     assert "export_model(" in source(cells[-1]), "the export cell comes last"
     # The base model's evaluation is logged at step 0: the reward plot's base point.
