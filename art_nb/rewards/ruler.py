@@ -53,9 +53,8 @@ def _json_schema() -> dict[str, Any]:
 
 
 def _request_params(judge: Judge, method: str, rating_samples: int) -> dict[str, Any]:
-    if method == "json":
-        # art_nb's own server has no constrained decoding; a hosted judge is held to the schema.
-        return {} if judge.local else {"response_format": _json_schema()}
+    if method == "json":  # held to the schema: by a hosted judge's server, by art_nb's (constrained decoding)
+        return {"response_format": _json_schema()}
     if judge.local:  # top logprobs where the server returns them (art_nb's does), else the sampled ratings' mean
         return {"n": rating_samples, "temperature": 1.0, "max_tokens": _RATING_MAX_TOKENS, "logprobs": True,
                 "top_logprobs": _TOP_LOGPROBS}

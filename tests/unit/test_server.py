@@ -274,7 +274,11 @@ async def test_unknown_model_is_404(h: Harness) -> None:
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"logit_bias": {"42": 5}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+         "response_format.json_schema.schema"),  # a schema llguidance cannot compile is refused, not ignored
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}},
+          "tools": [{"type": "function", "function": {"name": "add"}}]}, "tool_choice"),
         ({"stop": [""]}, "stop"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),

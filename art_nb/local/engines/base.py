@@ -54,6 +54,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # The most likely tokens at each position, with their logprobs (OpenAI's top_logprobs, 0-20).
     top_logprobs: int = 0
+    # A Lark grammar (llguidance's dialect) every sample must match: JSON response formats, forced tool
+    # calls (server/constrain.py). Tokens it forbids are masked out before sampling.
+    grammar: str | None = None
 
 
 @dataclass
@@ -66,7 +69,9 @@ class GenerationRequest:
 @dataclass
 class Sample:
     """One sampled continuation. `logprobs[i]` is the log-probability of `token_ids[i]` under the
-    unscaled (temperature 1) distribution of the served weights: what the trainer recomputes."""
+    unscaled (temperature 1) distribution of the served weights: what the trainer recomputes. Under a
+    `grammar` it is that distribution renormalised over the tokens the grammar allowed, the one the
+    token was drawn from (as vLLM reports it); docs/losses.md says how training weighs the difference."""
 
     token_ids: list[int]
     logprobs: list[float]

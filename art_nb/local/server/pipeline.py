@@ -34,6 +34,7 @@ from ..engines.base import (
     Sample,
     SamplingParams,
 )
+from .constrain import grammar_for
 from .schema import ChatCompletionRequest
 from .toolcalls import parse_tool_calls
 from .turns import remember, render_prompt
@@ -68,6 +69,7 @@ def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: in
         seed=req.seed,
         ignore_eos=req.ignore_eos,
         top_logprobs=req.top_logprobs or 0,
+        grammar=grammar_for(req),  # JSON response formats and forced tool calls (constrain.py)
     )
 
 

@@ -1,9 +1,10 @@
 """The body of POST /v1/chat/completions, validated at the door.
 
 Every field the endpoint cannot honour faithfully is refused with a 400 that says what to send
-instead (`min_tokens > 0`, `tool_choice` other than "auto"/"none", penalties, `logit_bias`, a
-`response_format` other than text, non-text content parts), rather than accepted and silently
-ignored: a rollout that asked for them would otherwise train on samples it did not mean to draw.
+instead (`min_tokens > 0`, penalties, `logit_bias`, non-text content parts), rather than accepted
+and silently ignored: a rollout that asked for them would otherwise train on samples it did not mean
+to draw. A JSON `response_format` and a `tool_choice` of "required" or a named function are enforced
+by constrained decoding (`constrain.py`); this module checks their shape.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch and vLLM seed generators take
     tools: list[_Tool] | None = Field(None, description=f"at most {MAX_TOOLS}")
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: a forced "required" reply holds exactly one call
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None  # {"include_usage": true} adds a usage chunk
     ignore_eos: bool = False
@@ -158,8 +160,12 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "auto", "none"):
-            raise ValueError('only "auto" and "none" are supported; describe the tool to call in the prompt')
+        if isinstance(value, dict):
+            name = (value.get("function") or {}).get("name") if value.get("type") == "function" else None
+            if not isinstance(name, str) or not name:
+                raise ValueError('a named tool choice is {"type": "function", "function": {"name": "<a tool>"}}')
+        elif value not in (None, "auto", "none", "required"):
+            raise ValueError('use "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
         return value
 
     @field_validator("min_tokens")
@@ -185,10 +191,13 @@ class ChatCompletionRequest(BaseModel):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("type", "text") != "text":
-            raise ValueError(f"{value.get('type')!r} is not enforced here (no constrained decoding: it would also "
-                             "change the logprobs training uses); ask for the format in the prompt and parse the reply")
+    def _response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (value or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type {kind!r} is not served; use 'text', 'json_object' or 'json_schema'")
+        spec = (value or {}).get("json_schema", {}) if kind == "json_schema" else {}
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError('json_schema is {"name": ..., "schema": {<a JSON schema object>}, "strict": true}')
         return value
 
     @property

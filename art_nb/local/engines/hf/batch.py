@@ -80,6 +80,7 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # with params.top_logprobs > 0
     finish: str | None = None
+    matcher: Any = None  # llguidance's matcher of params.grammar (grammar.py), None when unconstrained
 
 
 @dataclass

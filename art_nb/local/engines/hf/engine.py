@@ -54,6 +54,7 @@ from .batch import (
     settle,
     top_alternatives,
 )
+from .grammar import Grammars
 from .prefix import Entry, PrefixCache, chunk_inputs, default_budget
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class HFEngine:
         self.stats = EngineStats()
         # Bytes of KV kept for reuse across turns; 0 turns it off, None takes a share of the device's memory.
         self.prefix_cache = PrefixCache(default_budget(device) if prefix_cache_bytes is None else prefix_cache_bytes)
+        self._grammars = Grammars(tokenizer, self._eos_ids)  # constrained decoding (grammar.py)
         self.serves_while_training = device.type != "cuda"  # on CUDA the weights leave for a step (train_with)
 
         self._executor = ThreadPoolExecutor(1, "art_nb-hf", initializer=torch.set_num_threads, initargs=(threads,))
@@ -134,8 +136,9 @@ class HFEngine:
 
     async def generate(self, request: GenerationRequest) -> list[Sample]:
         """`request.params.n` samples for one prompt, decoded in the shared batch."""
-        self._check_alive()
         params, prompt = request.params, tuple(request.prompt_ids)
+        matchers = await self._grammars.matchers(params.grammar, params.n) if params.grammar else [None] * params.n
+        self._check_alive()
         if params.n < 1 or params.max_tokens < 1:
             raise EngineError(f"n and max_tokens must be at least 1 (got n={params.n}, max_tokens={params.max_tokens})")
         if not prompt:
@@ -153,7 +156,7 @@ class HFEngine:
         self._adapters.acquire(adapter)
         job.future.add_done_callback(functools.partial(self._on_job_done, job))
         for i in range(params.n):
-            self._pending.append(Row(job, i, prompt, params, self._row_generator(params.seed, i)))
+            self._pending.append(Row(job, i, prompt, params, self._row_generator(params.seed, i), matcher=matchers[i]))
         self._wakeup.set()
         return await job.future
 
@@ -415,6 +418,7 @@ class HFEngine:
         return hf_model.last_logits(self._model, self._cache_kwarg, self._batch.adapter, ids, mask, positions, cache)
 
     def _sample_and_record(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        self._grammars.mask(logits, rows)  # before sampling: logprobs are of the masked distribution
         tokens, logprobs = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows], self._shared_generator)
         counts = [r.params.top_logprobs for r in rows]
         tops = top_alternatives(logits, counts) if any(counts) else None
@@ -424,6 +428,7 @@ class HFEngine:
             if tops is not None and counts[i]:
                 row.top.append(tops[i])
             row.finish = finish_reason(row, token, self._eos_ids, self.tokenizer)
+        self._grammars.advance(rows, tokens.tolist())
         self.stats.tokens += len(rows)
         return tokens
 

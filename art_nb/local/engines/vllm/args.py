@@ -31,6 +31,7 @@ from art_nb.local.plan.memory import (
 )
 
 from ..base import EngineError
+from .grammar import BACKEND as GRAMMAR_BACKEND
 from .startup import startup_kwargs, startup_mode
 
 __all__ = ["VLLMSetup", "capped_memory", "engine_args", "memory_snapshot", "planned_memory", "bitsandbytes_missing"]
@@ -85,6 +86,7 @@ def engine_args(model_path: Path, config: ModelConfig, on_cuda: bool, enforce_ea
         max_cpu_loras=config.max_loaded_adapters,
         enable_prefix_caching=True,
         logprobs_mode="raw_logprobs",
+        structured_outputs_config=dict(GRAMMAR_BACKEND),  # llguidance, as the transformers engine (grammar.py)
         disable_log_stats=True,
     )
     start, start_reasons = startup_kwargs(mode, on_cuda, max(VLLM_STEP_TOKENS, max_len))

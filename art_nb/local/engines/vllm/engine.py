@@ -56,6 +56,7 @@ from ..base import (
     SamplingParams,
 )
 from .args import VLLMSetup, capped_memory, engine_args
+from .grammar import structured_outputs, with_config_objects
 from .lora import install, spill
 from .thread import VLLMThread
 
@@ -370,7 +371,8 @@ def _build_engine(kwargs: dict[str, Any]) -> Any:
         # LLM_CLASS, as `vllm.LLM` builds it: the scheduler defaults for an offline, in-process engine.
         # The from_engine_args default (ENGINE_CONTEXT) falls back to 128 sequences and 2048 tokens a
         # step, which halves throughput at 256 concurrent requests (bench/gpu_throughput.py measures it).
-        return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in known}),
+        known_kwargs = with_config_objects({k: v for k, v in kwargs.items() if k in known})
+        return LLMEngine.from_engine_args(EngineArgs(**known_kwargs),
                                           usage_context=UsageContext.LLM_CLASS)
     finally:
         if previous is None:
@@ -422,6 +424,7 @@ def _vllm_sampling_params(params: SamplingParams) -> Any:
         logprobs=params.top_logprobs,  # 0: the sampled token's own logprob, nothing more; k: the top k beside it
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=bool(params.stop),  # text is only needed to match stop strings; the server decodes
+        structured_outputs=structured_outputs(params.grammar),  # JSON formats, forced tool calls (grammar.py)
     )
 
 
