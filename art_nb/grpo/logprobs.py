@@ -21,8 +21,16 @@ What the "old policy" is, and the engine mismatch (the decision, after TRL's GRP
 - With the correction off, the engine's logprobs are the old logprobs, as in ART: the ratio is then
   the mismatch itself, and each loss's clip bounds it (CISPO: weight capped at 1 + epsilon_high;
   PPO: tokens beyond 1 +- epsilon lose their gradient).
+- Tokens sampled under a grammar (constrained decoding: a JSON response format, a forced tool call)
+  carry the engine's logprob under the distribution it drew from, the masked one: log p - log Z, Z
+  the mass the grammar left (vLLM reports it so; the transformers engine does the same). The trainer
+  computes log p. They are trained, with the correction: its weight pi_trainer / pi_engine is Z <= 1,
+  the importance weight from the sampling distribution back to the policy, so a token the grammar
+  forced against the model's preference adds little and one the model would have written anyway
+  trains fully; the cap never acts on them, and a floor with a "*_mask" mode drops forced tokens.
 Per step `grpo_step` reports the mismatch: `mismatch_kl` (k3), `mismatch_logprob_abs` (mean
-|engine - trainer| logprob) and the share of tokens the cap acted on.
+|engine - trainer| logprob; under a grammar it includes the mean -log Z) and the share of tokens the
+cap acted on. docs/losses.md says the same for users.
 """
 
 from __future__ import annotations
