@@ -16,7 +16,6 @@ import openai
 import pytest
 
 import art_nb as art
-from art_nb.grpo.captured import CaptureRefused
 from art_nb.grpo.tokens import tokenize_trajectory
 from art_nb.langgraph import init_chat_model, wrap_rollout
 
@@ -151,10 +150,6 @@ async def test_langgraph_agents_train_on_the_ids_the_engine_sampled(served) -> N
     assert model.get_inference_name().endswith("@1")
 
 
-@pytest.mark.xfail(strict=False, raises=(openai.BadRequestError, CaptureRefused),
-                   reason="forcing a tool call needs tool_choice served (constrained decoding), and a tool result's "
-                          "turn needs the engine's own ids for the call it answers; SmolLM2-135M never calls a tool "
-                          "unforced")
 async def test_a_forced_tool_call_and_its_result_train_exactly(served) -> None:
     backend, model = served
     (group,) = await art.gather_trajectory_groups(
