@@ -96,9 +96,6 @@ async def refused_then_trained(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, a
         await s.backend.close()
 
 
-@pytest.mark.xfail(strict=False, raises=openai.BadRequestError,
-                   reason="ToolCallingAgent sends tool_choice='required', which the endpoint refuses until it serves "
-                          "forced tool calls (constrained decoding)")
 async def test_a_tool_calling_agent_is_refused_naming_what_it_did_and_its_kept_calls_train_exactly(
         tmp_path, monkeypatch) -> None:
     causes = await refused_then_trained(tmp_path, monkeypatch, ToolCallingAgent, rollouts=4, max_steps=2)
