@@ -119,6 +119,26 @@ def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def wait_for_memory(need_gib: float, timeout_s: float = 3600) -> float:
+    """Wait until the machine has `need_gib` available (it is shared: never push a colleague's job
+    into the OOM killer). Returns the seconds waited."""
+    started = time.monotonic()
+    while True:
+        available = available_gib()
+        if available >= need_gib or time.monotonic() - started > timeout_s:
+            return round(time.monotonic() - started, 1)
+        print(f"  waiting for memory: {available:.1f} GiB available, {need_gib} needed", flush=True)
+        time.sleep(30)
+
+
+def available_gib() -> float:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return math.inf
+
+
 # ---- memory ----------------------------------------------------------------------------------------
 
 
@@ -486,3 +506,152 @@ def weights_note(model: Path | None, quick: bool) -> str:
         return str(model)
     shape = "a toy Qwen2 shape (--quick dry run)" if quick else "Qwen2.5-3B shape"
     return f"random weights ({shape}, SmolLM2 tokenizer): speed and memory only"
+
+
+# ---- head to head: interleaved repeats ---------------------------------------------------------------
+
+MIN_REPEATS = 3  # a head-to-head reports the median of at least this many repeats per side
+TURN_TAG = "@@turn "  # a resident part's protocol lines on stdout start with this (libraries print too)
+
+
+def interleaved(sides: list[str], rounds: int) -> list[list[str]]:
+    """Each round's order: every side once, rotated a place per round (A B C, B C A, C A B; two sides:
+    A B, B A), so a slow spell of a shared machine or a warming GPU falls on each side alike."""
+    return [sides[r % len(sides):] + sides[:r % len(sides)] for r in range(rounds)]
+
+
+def head_to_head(repeats: dict[str, list[float]], unit: str = "s") -> dict[str, Any]:
+    """Each side's median over its repeats with their spread, and every pair's ratio of medians with
+    the range of its per-round ratios (round i of one side over round i of the other).
+
+    A ratio `holds` when every round agrees with the medians about which side is faster: one noisy
+    repeat (a slow TRL start, a neighbour's job) then cannot decide it, and a ratio whose rounds
+    disagree is reported as not settled. Values are costs (seconds, lower is better); `B/A` > 1
+    means A is faster.
+    """
+    sides: dict[str, Any] = {}
+    for name, values in repeats.items():
+        if values:
+            middle = statistics.median(values)
+            sides[name] = {"repeats": [round(v, 4) for v in values], "median": round(middle, 4),
+                           "min": round(min(values), 4), "max": round(max(values), 4),
+                           "spread": round((max(values) - min(values)) / middle, 4) if middle else None}
+    ratios: dict[str, Any] = {}
+    names = list(sides)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ratio = sides[b]["median"] / sides[a]["median"]
+            rounds = [rb / ra for ra, rb in zip(repeats[a], repeats[b]) if ra]
+            ratios[f"{b}/{a}"] = {"of_medians": round(ratio, 4), "per_round": [round(r, 4) for r in rounds],
+                                  "min": round(min(rounds), 4) if rounds else None,
+                                  "max": round(max(rounds), 4) if rounds else None,
+                                  "holds": bool(rounds) and all((r > 1) == (ratio > 1) for r in rounds)}
+    return {"method": f"median of each side's repeats, interleaved in one run (at least {MIN_REPEATS}); spread = "
+                      "(max - min) / median; per_round pairs the i-th repeats; holds = every round on the median's side of 1",
+            "unit": unit, "enough_repeats": bool(sides) and all(len(repeats[n]) >= MIN_REPEATS for n in sides),
+            "sides": sides, "ratios": ratios}
+
+
+def describe_ratio(h2h: dict[str, Any], pair: str) -> str:
+    """One phrase for a pair of `head_to_head`: "1.52x (rounds 1.41-1.60, holds; n=3)"."""
+    entry, sides = h2h.get("ratios", {}).get(pair), pair.split("/")
+    if not entry:
+        return f"{pair}: not measured"
+    n = min(len(h2h["sides"][s]["repeats"]) for s in sides)
+    held = "holds" if entry["holds"] else "NOT settled: the rounds disagree"
+    return f"{entry['of_medians']:.2f}x (rounds {entry['min']:.2f}-{entry['max']:.2f}, {held}; n={n})"
+
+
+class Resident:
+    """A benchmark part in a process of its own that stays up and runs one repeat ("turn") each time it
+    is told, so the sides of a head-to-head interleave their repeats in one run without paying their
+    start-up per repeat. Only one side runs at a time; on a large GPU both stay resident.
+
+    The part's process answers on stdout with `TURN_TAG` lines: {"ready": {...}} once built, then
+    {"done": {...}} (or {"error": ...}) per turn; everything else it prints goes to OUT/_parts/NAME.log.
+    """
+
+    def __init__(self, script: Path, part: str, argv: list[str], out_dir: Path, timeout_s: float,
+                 env: dict[str, str] | None = None, name: str | None = None) -> None:
+        import queue
+        import threading
+
+        self.name = name or part
+        self.log_path = out_dir / "_parts" / f"{self.name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._tail: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, str(script), "--part", part, *argv], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, bufsize=1)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self._answer(timeout_s, "ready")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                if line.startswith(TURN_TAG):
+                    self._lines.put(json.loads(line[len(TURN_TAG):]))
+                else:
+                    log.write(line)
+                    log.flush()
+                    self._tail = (self._tail + [line])[-80:]
+        self._lines.put(None)
+
+    def _answer(self, timeout_s: float, key: str) -> dict[str, Any]:
+        import queue
+
+        try:
+            message = self._lines.get(timeout=max(timeout_s, 1))
+        except queue.Empty:
+            self.close()
+            raise RuntimeError(f"{self.name}: no {key} within {timeout_s:.0f} s; log tail:\n{self.tail()}") from None
+        if message is None:
+            raise RuntimeError(f"{self.name}: the process ended (exit {self.proc.wait()}); log tail:\n{self.tail()}")
+        if "error" in message:
+            raise RuntimeError(f"{self.name}: {message['error']}\n{message.get('traceback', '')[-3000:]}")
+        return message[key]
+
+    def turn(self, timeout_s: float, **command: Any) -> dict[str, Any]:
+        """Run one turn with `command` and return what the part measured."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout_s, "done")
+
+    def tail(self, lines: int = 40) -> str:
+        return "".join(self._tail[-lines:])
+
+    def close(self, timeout_s: float = 60) -> None:
+        """Tell the part to stop (closing its stdin), and end it if it does not."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # our own child
+            self.proc.wait()
+
+
+def announce(**message: Any) -> None:
+    """In a resident part's process: one protocol line ({"ready": ...}, {"done": ...}, {"error": ...})."""
+    print(TURN_TAG + json.dumps(message, default=str), flush=True)
+
+
+def next_turn() -> dict[str, Any] | None:
+    """In a resident part's process: the next turn's command, or None once the parent is done."""
+    line = sys.stdin.readline()
+    return json.loads(line) if line.strip() else None
+
+
+def serve_turns(ready: dict[str, Any], run_turn: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """In a resident part's process: announce `ready`, then run a turn per command until stdin closes;
+    a failed turn is reported (with its traceback) and the part goes on."""
+    announce(ready=ready)
+    while (command := next_turn()) is not None:
+        try:
+            announce(done=run_turn(command))
+        except Exception as exc:  # noqa: BLE001 - the parent records it and may go on with the other sides
+            announce(error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:])

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, Results, current_rss_mib, loadavg, peak_rss_mib, stats
+from _common import (MIN_REPEATS, ROOT, Results, current_rss_mib, head_to_head, loadavg, peak_rss_mib, stats,
+                     wait_for_memory)
 
 RESULTS = ROOT / "bench" / "results"
 BATCH = RESULTS / "cpu_train_step_batch.json"
@@ -330,31 +331,12 @@ def run_worker(kind: str, threads: int, chunks: int, profile: bool = False) -> d
     raise RuntimeError(f"the {kind} worker failed (exit {done.returncode}): {done.stderr[-3000:]}")
 
 
-def wait_for_memory(need_gib: float, timeout_s: float = 3600) -> float:
-    """Wait until the machine has `need_gib` available (it is shared: never push a colleague's job
-    into the OOM killer). Returns the seconds waited."""
-    started = time.monotonic()
-    while True:
-        available = _available_gib()
-        if available >= need_gib or time.monotonic() - started > timeout_s:
-            return round(time.monotonic() - started, 1)
-        print(f"  waiting for memory: {available:.1f} GiB available, {need_gib} needed", flush=True)
-        time.sleep(30)
-
-
-def _available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return math.inf
-
-
 # ---- the comparison -------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=4, help="timed steps per side (each after a warm-up)")
+    parser.add_argument("--repeats", type=int, default=max(4, MIN_REPEATS), help="timed steps per side (each after a warm-up)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for both sides (default: art_nb's own choice for this machine)")
     parser.add_argument("--profile", action="store_true", help="also profile one step per side")
@@ -434,6 +416,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], shape: dict[str, Any], layo
     cpu = {k: [r["cpu_s"] for r in v] for k, v in runs.items()}
     cpu_median = {k: stats(v)["median"] for k, v in cpu.items()}
     return {
+        # median of the interleaved repeats (A B B A ...) with the spread, the ratio with its per-repeat range
+        "head_to_head": head_to_head({"art_nb": seconds["art_nb"], "trl": seconds["trl"]}),
         "seconds": {k: stats(v) for k, v in seconds.items()},
         "cpu_seconds": {k: stats(v) for k, v in cpu.items()},
         "ratio_trl_over_art_nb_cpu_time": round(cpu_median["trl"] / cpu_median["art_nb"], 3),

@@ -27,8 +27,9 @@ gaps between steps, and the time before the first and after the last step: a slo
 inside `step()`, a slower driver in the gaps, per-request cost before the first and after the last.
 
 Device seconds are scarce, so: each batch size is warmed up with a short run (16 tokens), the
-headline (`plain`, `endpoint`) gets `--repeats` runs and the diagnostics (`endpoint_logprobs`,
-`endpoint_http`, `engine_direct`) `--side-repeats`; a part stops repeating (and says so: `cut_short`) when its next
+sides of a ratio (`plain`, `endpoint`, `endpoint_http`, `engine_direct`) get `--repeats` runs (3: a
+median with its spread, and per-round ratios, `_common.head_to_head`, each batch's `head_to_head`) and
+the diagnostic `endpoint_logprobs` `--side-repeats`; a part stops repeating (and says so: `cut_short`) when its next
 round would pass the run's deadline, and a part that cannot start in time is skipped with a message.
 Budget on an H200 (from bench/results/h200): eager ~4.2 min per mode, fast ~2.5 min.
 
@@ -62,12 +63,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
+    MIN_REPEATS,
     STARTUP_MODES,
     Results,
     default_out_dir,
     describe_graphs,
     gpu_memory,
     graph_setting,
+    head_to_head,
     measure_part,
     model_section,
     prompt_ids,
@@ -82,6 +85,7 @@ from _common import (
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
 ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct")  # the first is the headline
 HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
+HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct")  # each gets every repeat: median of >= 3, same run
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
 PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "art_hf": 240}
@@ -113,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or ([2, 4] if quick else [8, 64, 256])
     args.hf_batch_sizes = args.hf_batch_sizes or ([2] if quick else [8, 64])
     args.tokens = args.tokens or (8 if quick else 128)
-    args.repeats = args.repeats or (1 if quick else 3)
+    args.repeats = args.repeats or (1 if quick else MIN_REPEATS)
     args.side_repeats = min(args.side_repeats or (1 if quick else 2), args.repeats)
     args.max_seq_len = 512 if quick else 2048
     return args
@@ -432,7 +436,8 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         for repeat in range(args.repeats):  # rotate the order, so drift hits every mode alike
             if repeat and not deadline.fits():
                 break
-            names = [n for n in ART_MODES if n == "endpoint" or repeat < args.side_repeats]
+            # The sides of item ratios (endpoint and loopback HTTP over the engine itself) get every repeat
+            names = [n for n in ART_MODES if n in HEAD_TO_HEAD or repeat < args.side_repeats]
             shift = repeat % len(names)
             with deadline.round():
                 for name in names[shift:] + names[:shift]:
@@ -574,6 +579,10 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
                 r[key] = {name: t[key] for name, t in timing.items() if t}
             r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
             r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL
+            # Seconds per run (the same tokens every run): the modes of one process took turns, repeat by repeat;
+            # plain vLLM ran in its own process, its repeats beside theirs
+            r["head_to_head"] = head_to_head({name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http", "plain")
+                                              if name in rows and rows[name]}, unit="s per run")
             ratios[batch] = r
         same = plain_part.get("graph_setting") == art_part.get("graph_setting") if art_part.get("graph_setting") else None
         found[mode] = {"ratios": ratios, "graph_setting": plain_part.get("graph_setting"), "same_graph_setting": same,

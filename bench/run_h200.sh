@@ -5,7 +5,10 @@
 #
 # SEGMENT      what runs                                                     expected on an H200
 # throughput   gpu_throughput.py --startup fast eager (plain vLLM + art_nb)   ~7.5 min (fast ~2.5, eager ~4.2)
-# step         gpu_step.py (art_nb vs TRL colocated, both vLLM "fast")        ~5 min
+# step         gpu_step.py (art_nb vs TRL colocated, both vLLM "fast"; 3 interleaved rounds)   ~5 min
+# pipeline     gpu_step.py --art-modes sync pipelined (art_nb's loop with and without art.pipeline vs TRL,
+#              3 interleaved rounds), then gpu_tictactoe.py --pipeline both (SmolLM2 learning curves
+#              with and without the pipeline, on the same games)               ~5.5 + ~3.5 min (estimated)
 # t4           gpu_t4_vs_unsloth.py (Unsloth's T4 recipe vs art_nb's T4 config, 15 GiB cap)   ~8-9 min (alone)
 # memory       gpu_memory_fit.py (the 2048 notebook's config, 15 GiB cap)    ~6.5 min
 # prefix       hf_prefix_cache.py on the GPU (transformers engine, SmolLM2): multi-turn rollouts with the
@@ -17,7 +20,7 @@
 # every section, so a later part failing or the time running out never loses a finished part; the
 # parts' logs under $OUT/bench/_parts/. Ends with one line: the segment, its seconds and the verdict.
 set -u
-SEGMENT=${1:?usage: bash bench/run_h200.sh throughput|step|t4|memory|prefix|startup}
+SEGMENT=${1:?usage: bash bench/run_h200.sh throughput|step|pipeline|t4|memory|prefix|startup}
 START=$(date +%s)
 LIMIT=${H200_SEGMENT_S:-560}             # seconds from now until everything must have ended
 : "${OUT:?set OUT (the folder that comes back)}"
@@ -49,6 +52,14 @@ deadline_flag() { echo "--deadline-s $(( $(left) - 25 < $1 ? $(left) - 25 : $1 )
 case "$SEGMENT" in
   throughput) bench gpu_throughput.py --startup fast eager $(deadline_flag 540); FILE=gpu_throughput ;;
   step)       bench gpu_step.py --startup fast $(deadline_flag 520); FILE=gpu_step ;;
+  pipeline)   # The step benchmark with art.pipeline as a third side (its gpu_step.json holds all three), then the
+              # learning curves in what is left (~200 s: register ~40 s, two curves, three evaluations of 64 games).
+              bench gpu_step.py --startup fast --art-modes sync pipelined $(deadline_flag 330)
+              echo "== gpu_tictactoe.py --pipeline both ($(left) s left)"
+              timeout -s INT -k 10 $(( $(left) - 12 )) "$PY" bench/gpu_tictactoe.py "$OUT/bench/tictactoe" --steps 12 \
+                --pipeline both --cuda-graphs --budget-s $(( $(left) - 110 ))
+              echo "== gpu_tictactoe.py ended with $? after $(( $(date +%s) - START )) s"
+              FILE=gpu_step ;;
   t4)         # Both sides need ~8 min at 5 steps (measured: Unsloth import 37 s + load 97 s + first step 39 s;
               # art_nb register 62 s + first step 51 s): run it alone with the full limit, or fewer steps
               # (H200_T4_STEPS=3).
@@ -58,7 +69,7 @@ case "$SEGMENT" in
               bench gpu_memory_fit.py --startup fast ${H200_MEMORY_ARGS:-}; FILE=gpu_memory_fit ;;
   prefix)     bench hf_prefix_cache.py --out "$OUT/bench/hf_prefix_cache_h200.json"; FILE=hf_prefix_cache_h200 ;;
   startup)    bench gpu_startup.py --modes fast eager; FILE=gpu_startup ;;
-  *) echo "unknown segment $SEGMENT: throughput, step, t4, memory, prefix or startup"; exit 2 ;;
+  *) echo "unknown segment $SEGMENT: throughput, step, pipeline, t4, memory, prefix or startup"; exit 2 ;;
 esac
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/bench/${FILE}.gpu.txt" 2>&1

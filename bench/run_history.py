@@ -187,10 +187,15 @@ def _throughput(d: dict[str, Any]) -> str:
 def _step(d: dict[str, Any]) -> str:
     sections = d["sections"]
     art, trl = sections.get("art", {}), sections.get("trl", {})
+    comparison = sections.get("comparison") or {}
+    if "head_to_head" in comparison:  # interleaved turns: each side's median, then the ratios with their range
+        hours = comparison.get("steps_per_hour", {})
+        text = ", ".join(f"{side} {per_hour:.0f} steps/hour" for side, per_hour in hours.items())
+        return "; ".join([text or "no side finished", *comparison.get("verdict", "").split("; ")[:3]])
     text = f"art_nb {art['summary']}".split("; vLLM")[0] if art.get("summary") else "art_nb failed"
     if trl.get("summary"):
         text += f"; TRL {trl['summary']}".split("; vLLM")[0]
-    verdict = (sections.get("comparison") or {}).get("summary") or ""
+    verdict = comparison.get("summary") or ""
     return text + (f"; {verdict.split(';')[0]}" if verdict.startswith("TRL step") else "")
 
 
@@ -240,10 +245,13 @@ def _checks(d: dict[str, Any]) -> str:
 
 
 def _gpu_tictactoe(d: dict[str, Any]) -> str:
-    b, t = d["base"], d["trained"]
-    return (f"{d['trained_step']} steps in {d['training_s']:.0f} s, {b['games']} greedy games: valid-move "
-            f"{b['valid_move_rate']:.2f} -> {t['valid_move_rate']:.2f}, win {b['win']:.3f} -> {t['win']:.3f}, "
-            f"invalid games {b['invalid']:.3f} -> {t['invalid']:.3f}")
+    b = d["base"]
+    curves = d.get("curves") or {"sync": d}
+    return "; ".join(
+        f"{mode + ': ' if len(curves) > 1 else ''}{c['trained_step']} steps in {c['training_s']:.0f} s, "
+        f"{b['games']} greedy games: valid-move {b['valid_move_rate']:.2f} -> {c['trained']['valid_move_rate']:.2f}, "
+        f"win {b['win']:.3f} -> {c['trained']['win']:.3f}, invalid games {b['invalid']:.3f} -> {c['trained']['invalid']:.3f}"
+        for mode, c in curves.items())
 
 
 def _load(d: dict[str, Any]) -> str:
