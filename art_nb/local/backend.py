@@ -36,7 +36,8 @@ from art_nb.types import InferenceEndpoint, ModelRef, ProgressCallback, Trainabl
 from . import quiet, s3
 from .loop import BackgroundLoop
 from .phases import phase_bar
-from .runtime import forget, runtime_for
+from .release import release_freed_memory
+from .runtime import Runtime, forget, runtime_for
 from .state import ModelState, TrainingStoppedError
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ class LocalBackend:
             report_ignored({"gpu_cost_per_hour_usd": "art_nb records no costs"}, "LocalBackend")
         self.path = Path(".art" if path is None else path).expanduser().resolve()
         self.verbose = verbose
-        self._runtime = runtime_for(self.path, host, port, api_key)
+        self._address = (host, port, api_key)
+        self._current: Runtime | None = None
 
     def __repr__(self) -> str:
         return f"LocalBackend(path={str(self.path)!r})"
@@ -77,13 +79,22 @@ class LocalBackend:
 
     def __exit__(self, *exc: object) -> None:
         """Close from synchronous code (ART's `with LocalBackend() as backend:`)."""
-        self.loop.run_sync(self._close())
+        if self._current is not None:
+            self.loop.run_sync(self._close())
+            self._release()
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def _runtime(self) -> Runtime:
+        """The runtime for this path, made again after `close` (a closed backend registers afresh)."""
+        if self._current is None:
+            self._current = runtime_for(self.path, *self._address)
+        return self._current
 
     @property
     def loop(self) -> BackgroundLoop:
@@ -255,13 +266,22 @@ class LocalBackend:
         return self
 
     async def close(self) -> None:
-        """Stop the engine and server for this path (the next register starts fresh)."""
-        await self.loop.run(self._close())
+        """Stop the engine and server for this path and hand their memory back (the next register starts
+        fresh)."""
+        if self._current is not None:
+            await self.loop.run(self._close())
+            self._release()
 
     async def _close(self) -> None:
         quiet.end_first_rollout()
         await self._runtime.close()
         forget(self._runtime)
+
+    def _release(self) -> None:
+        """Stop the closed runtime's loop thread and return the freed model memory to the system."""
+        runtime, self._current = self._runtime, None
+        runtime.loop.stop()
+        release_freed_memory()
 
     def _state(self, model: ModelRef) -> ModelState:
         """The backend's state for `model` (engine, trainer, store, served step): for tests and benchmarks only."""

@@ -65,6 +65,20 @@ class BackgroundLoop:
                 await waiter
             raise
 
+    def stop(self) -> None:
+        """End the loop and its thread (after the backend closed): a closed backend leaves no threads,
+        and the default executor's threads, each with its own malloc arena, go with them. Called on the
+        loop itself (`art-nb serve` closing while it drains, the process about to end), it does nothing:
+        a thread cannot join itself, and stopping here would strand the caller waiting on it."""
+        if self.is_current() or not self._thread.is_alive():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        if not self._thread.is_alive():
+            self.loop.close()
+
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Blocking variant for synchronous callers (CLI, atexit)."""
         if self.is_current():

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from safetensors.torch import load_file
@@ -173,3 +174,22 @@ async def test_new_process_resumes_from_latest_step_with_optimizer_state(trained
     step, optimizer_tensors = int(line.split()[1]), int(line.split()[3])
     assert step == 2 and optimizer_tensors > 0
     assert "resumed at step 2" in out.stdout
+
+
+async def test_close_ends_the_backend_thread_and_the_backend_registers_again(tmp_path):
+    """A notebook that closes a backend gets its thread and memory back and can register on it again."""
+    def backend_threads() -> int:
+        return sum(t.name == "art_nb-backend" and t.is_alive() for t in threading.enumerate())
+
+    before = backend_threads()
+    backend = art.LocalBackend(path=tmp_path)
+    model = make_model("again")
+    await model.register(backend)
+    assert backend_threads() == before + 1
+    await backend.close()
+    assert backend_threads() == before
+    await backend.close()  # closing twice is harmless
+    await model.register(backend)
+    assert await model.get_step() == 0 and await greedy(model, model.get_inference_name())
+    await backend.close()
+    assert backend_threads() == before

@@ -1,0 +1,30 @@
+"""Handing freed memory back to the system once a backend closes.
+
+A closed backend's model, optimizer and caches are freed, but glibc keeps freed heap pages in the
+arenas of the threads that used them: measured on SmolLM2-135M on CPU, register + one train step +
+close left 0.45 GB resident per cycle that `malloc_trim` returned, so a notebook (or a test process)
+that closes one backend and registers the next grew by that much each time. CUDA's caching
+allocator holds freed blocks the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import sys
+
+__all__ = ["release_freed_memory"]
+
+
+def release_freed_memory() -> None:
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        name = ctypes.util.find_library("c")
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError, TypeError):  # musl and other libcs have no malloc_trim
+            pass
