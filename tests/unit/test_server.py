@@ -393,6 +393,15 @@ async def test_conversation_with_tool_results_is_rendered(h: Harness, tokenizer:
     assert "<|im_start|>user\n2+3?<|im_end|>" in prompt
 
 
+async def test_a_tool_message_without_tool_call_id_is_served(h: Harness, tokenizer: Any) -> None:
+    """As vLLM (ART's server) takes it: the id is optional, the template shows the result's content."""
+    messages = [{"role": "user", "content": "2+3?"}, {"role": "tool", "content": "5"}]
+    h.engine.script = lambda i: "It is 5."
+    out = await h.client.chat.completions.create(model="agent", messages=messages)
+    assert out.choices[0].message.content == "It is 5."
+    assert "5<|im_end|>" in tokenizer.decode(out.model_extra["prompt_token_ids"])
+
+
 class AsyncRegistry(Registry):
     """A registry whose resolve is a coroutine (the local backend loads old adapters lazily)."""
 

@@ -61,8 +61,6 @@ class _Message(BaseModel):
 
     @model_validator(mode="after")
     def _role_fields(self) -> _Message:
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs 'tool_call_id' (the id of the call it answers)")
         if self.role != "assistant" and self.content is None:
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
