@@ -214,18 +214,20 @@ def test_retry_sync_stays_sync_with_on_retry_and_backoff_factor():
 async def test_limit_concurrency_per_derived_key():
     running: dict[str, int] = {}
     peak: dict[str, int] = {}
+    together = 0  # the most calls running at once, across hosts
 
     @limit_concurrency(1, derive_key=lambda host, i: host)
     async def call(host: str, i: int) -> None:
+        nonlocal together
         running[host] = running.get(host, 0) + 1
         peak[host] = max(peak.get(host, 0), running[host])
+        together = max(together, sum(running.values()))
         await asyncio.sleep(0.01)
         running[host] -= 1
 
-    started = asyncio.get_running_loop().time()
     await asyncio.gather(*(call(host, i) for host in ("a", "b") for i in range(3)))
     assert peak == {"a": 1, "b": 1}
-    assert asyncio.get_running_loop().time() - started < 0.055  # the two hosts ran side by side
+    assert together == 2  # the two hosts ran side by side (counted, not timed: a loaded machine is slow)
 
 
 def test_strip_logprobs_leaves_the_original_alone():
