@@ -17,6 +17,14 @@ vllm_ok=0
 wait "$vllm_pid" || vllm_ok=$?
 cat "$vllm_log" && rm -f "$vllm_log"
 [ "$vllm_ok" = 0 ] || echo "warning: .venv-vllm could not be built; tests/vllm_cpu will skip (CI fails instead)"
+# The `long` tests (agent frameworks trained over 16 rollouts each, the install cell's pip install: ~12
+# worker-minutes together) are left out unless a -m says otherwise: `bash scripts/test.sh -m long` runs
+# just them, `-m "long or not long"` everything; CI runs the default and then the long ones.
+SELECT=()
+case " $* " in
+  *" -m "*|*" -m="*) ;;
+  *) SELECT=(-m "not long"); echo "the long tests (agent frameworks, install cell) are left out: bash scripts/test.sh -m long runs them" ;;
+esac
 # Two workers (pytest-xdist), a file at a time so a module's fixtures stay in one process; the longest
 # files go first (tests/conftest.py). Each CPU engine and trainer uses one torch thread on 2 cores
 # (art_nb/local/plan/threads.py), so the second worker takes the idle core. ART_NB_TEST_WORKERS=0 runs in one
@@ -26,4 +34,4 @@ workers=${ART_NB_TEST_WORKERS:-2}
 if [ "$workers" != 0 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
   PARALLEL=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
-exec .venv/bin/python -m pytest -q --durations=15 "${PARALLEL[@]}" "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "${PARALLEL[@]}" ${SELECT[@]+"${SELECT[@]}"} "$@"

@@ -69,7 +69,7 @@ class LocalBackend:
         self.path = Path(".art" if path is None else path).expanduser().resolve()
         self.verbose = verbose
         self._address = (host, port, api_key)
-        self._current: Runtime | None = None
+        self._current: Runtime | None = runtime_for(self.path, host, port, api_key)  # a bad address fails here
 
     def __repr__(self) -> str:
         return f"LocalBackend(path={str(self.path)!r})"

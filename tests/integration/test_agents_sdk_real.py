@@ -30,7 +30,7 @@ from agents.exceptions import AgentsException
 from agents.models.openai_provider import OpenAIProvider
 from agents.models.openai_responses import OpenAIResponsesModel
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTRUCTIONS = "You answer with a tool call when a tool can help."

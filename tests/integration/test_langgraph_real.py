@@ -26,7 +26,7 @@ from langgraph.graph import END, START, StateGraph  # noqa: E402
 from langgraph.graph.message import add_messages  # noqa: E402
 from langgraph.prebuilt import create_react_agent  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SYSTEM = "You answer with a tool call when a tool can help. Call get_weather for weather questions."

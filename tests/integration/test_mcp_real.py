@@ -26,7 +26,7 @@ from fakes.scenario_generator import FakeScenarioGenerator
 
 mcp = pytest.importorskip("mcp")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
 NOTES_SERVER = Path(__file__).resolve().parents[1] / "fakes" / "notes_mcp_server.py"

@@ -40,7 +40,7 @@ from agents import (
     set_tracing_disabled,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def few_shot() -> list[dict[str, Any]]:

@@ -155,6 +155,9 @@ class SFTOnlyBackend:
     def choices(self, model) -> dict[str, str]:
         return {}
 
+    def model_dir(self, model) -> Path:  # the serve app keeps server paths out of what a client sees
+        return Path("/srv/art") / model.project / model.name
+
     async def get_step(self, model) -> int:
         return self.step
 

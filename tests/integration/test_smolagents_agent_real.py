@@ -35,7 +35,7 @@ pytest.importorskip("smolagents")
 from smolagents import CodeAgent, OpenAIServerModel, ToolCallingAgent, tool
 from smolagents.utils import AgentGenerationError
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 SWAP = "Cause: the agent swapped its system prompt"
 CHANGED = "Cause: the agent sent call"

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 import art_nb as art
 from art_nb.grpo.tokens import tokenize_trajectory
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CITIES = ["Paris", "Lima", "Oslo"]

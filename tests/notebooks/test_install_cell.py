@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 ROOT = Path(__file__).resolve().parents[2]
 COLAB_LIKE = ["torch==2.13.0", "numpy", "ipywidgets"]  # what a Colab runtime has before the cell runs

@@ -42,20 +42,14 @@ def test_non_dict_message_is_rejected():
         Trajectory(messages_and_choices=[3])
 
 
-def test_tool_result_must_answer_a_call():
+def test_tool_results_are_taken_as_art_takes_them():
+    """An answered call, a result answering no call ("n/a" in ART's tool-use notebook) and one with no id."""
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    ok = Trajectory(
-        messages_and_choices=[
-            {"role": "user", "content": "x"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
-        ]
-    )
-    assert len(ok.messages()) == 3
-    with pytest.raises(ValidationError, match="call_9"):
-        Trajectory(messages_and_choices=[{"role": "tool", "tool_call_id": "call_9", "content": "42"}])
-    with pytest.raises(ValidationError, match="tool_call_id"):
-        Trajectory(messages_and_choices=[{"role": "tool", "content": "42"}])
+    for result in ({"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                   {"role": "tool", "tool_call_id": "n/a", "content": "42"}, {"role": "tool", "content": "42"}):
+        t = Trajectory(messages_and_choices=[{"role": "user", "content": "x"},
+                                             {"role": "assistant", "content": None, "tool_calls": [call]}, result])
+        assert t.messages()[2]["content"] == "42"
 
 
 def test_unknown_field_is_rejected():
