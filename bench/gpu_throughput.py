@@ -580,9 +580,12 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
             r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
             r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL
             # Seconds per run (the same tokens every run): the modes of one process took turns, repeat by repeat;
-            # plain vLLM ran in its own process, its repeats beside theirs
-            r["head_to_head"] = head_to_head({name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http", "plain")
-                                              if name in rows and rows[name]}, unit="s per run")
+            # plain vLLM ran in its own process, its repeats beside theirs. A row that kept only its rates has no
+            # repeats to pair round by round: it stays out, and the ratios above stand on the medians alone
+            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http", "plain")
+                     if rows.get(name) and rows[name].get("seconds")}
+            if len(timed) > 1:
+                r["head_to_head"] = head_to_head(timed, unit="s per run")
             ratios[batch] = r
         same = plain_part.get("graph_setting") == art_part.get("graph_setting") if art_part.get("graph_setting") else None
         found[mode] = {"ratios": ratios, "graph_setting": plain_part.get("graph_setting"), "same_graph_setting": same,

@@ -1,7 +1,7 @@
 """The run history: one row per benchmark or GPU-test run, kept in bench/results/history.jsonl.
 
 bench/results/ holds the latest run of each benchmark (and the files a doc cites); a new run replaces the
-old file, which leaves the tree (git keeps it). Its numbers stay here: `make_table.py` adds a row the first
+old file, which leaves the tree (git keeps it). Its numbers stay here: `make_table.py` adds a row per run the first
 time it sees a results file (keyed by the file's content hash) and never rewrites a row's numbers, so the
 history survives the files and a row corrected by hand stays corrected (a GPU run's commit: the device's
 copy of the tree may carry a stale .git, so pass `make_table.py --commit` or fix the row).
@@ -13,9 +13,10 @@ import hashlib
 import json
 import re
 import subprocess
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LEDGER = ROOT / "bench" / "results" / "history.jsonl"
@@ -45,34 +46,40 @@ def write(rows: list[dict[str, Any]], ledger: Path = LEDGER) -> None:
 
 
 def update(root: Path = ROOT, ledger: Path = LEDGER, commit: str | None = None) -> list[dict[str, Any]]:
-    """Add a row for every results file not yet recorded; a recorded file that moved gets its new path."""
+    """Add the rows of every results file not yet recorded; a recorded file that moved gets its new path."""
     rows = read(ledger)
-    by_sha = {r["sha"]: r for r in rows}
+    by_sha: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_sha.setdefault(row["sha"], []).append(row)
     added = []
     for path in sources(root):
         sha = hashlib.sha1(path.read_bytes()).hexdigest()[:12]
         relative = str(path.relative_to(root))
         if sha in by_sha:
-            by_sha[sha]["file"] = relative
+            for row in by_sha[sha]:
+                row["file"] = relative
             continue
-        row = row_for(path, root, commit)
-        by_sha[sha] = row
-        rows.append(row)
-        added.append(row)
+        new = rows_for(path, root, commit)
+        by_sha[sha] = new
+        rows += new
+        added += new
     write(rows, ledger)
     return added
 
 
-def row_for(path: Path, root: Path = ROOT, commit: str | None = None) -> dict[str, Any]:
+def rows_for(path: Path, root: Path = ROOT, commit: str | None = None) -> list[dict[str, Any]]:
+    """A row per run the file holds. The notebook runner writes one list for all the notebooks it ran in a
+    session; each is a run of its own, so each gets a row (they share the file, hence its hash)."""
     text = path.read_text()
     data: Any = json.loads(text) if path.suffix == ".json" else {"log": text}
-    if isinstance(data, list):  # a notebook run: a list with one entry per notebook
-        data = data[0]
-    name = benchmark_of(path, data)
-    return {"date": _date(path, data, root), "benchmark": name, "machine": _machine(path, data, text),
-            "commit": commit or str(data.get("commit") or data.get("git_commit") or "")[:7],
-            "result": headline(name, data), "file": str(path.relative_to(root)),
-            "sha": hashlib.sha1(path.read_bytes()).hexdigest()[:12]}
+    sha = hashlib.sha1(path.read_bytes()).hexdigest()[:12]
+    rows = []
+    for run in (data or [{}]) if isinstance(data, list) else [data]:
+        name = benchmark_of(path, run)
+        rows.append({"date": _date(path, run, root), "benchmark": name, "machine": _machine(path, run, text),
+                     "commit": commit or str(run.get("commit") or run.get("git_commit") or "")[:7],
+                     "result": headline(name, run), "file": str(path.relative_to(root)), "sha": sha})
+    return rows
 
 
 def benchmark_of(path: Path, data: dict[str, Any]) -> str:
@@ -84,16 +91,20 @@ def benchmark_of(path: Path, data: dict[str, Any]) -> str:
 
 
 def _date(path: Path, data: dict[str, Any], root: Path) -> str:
-    """The run's own date, else when git first recorded the file, else now (a file not committed as it is)."""
+    """The run's own date, else when git recorded the file as it is now, else now (a file not committed as it is).
+
+    The commit that last changed the file, not the one that added it: a run that replaces its predecessor's
+    file under the same name (tests/gpu/results/gpu_tests.log) would otherwise take the first run's date.
+    """
     found = str(data.get("date") or "")
     if found:
         return found[:16].replace("T", " ")
     git = lambda *args: subprocess.run(["git", *args, "--", str(path.relative_to(root))], cwd=root,
                                        capture_output=True, text=True, check=False).stdout
     if not git("status", "--porcelain"):
-        words = git("log", "--diff-filter=A", "--format=%cd", "--date=format:%Y-%m-%d %H:%M").split()
+        words = git("log", "-1", "--format=%cd", "--date=format:%Y-%m-%d %H:%M").split()
         if words:
-            return " ".join(words[-2:])
+            return " ".join(words)
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
@@ -225,8 +236,8 @@ def _startup(d: dict[str, Any]) -> str:
 
 
 def _gpu_tests(d: dict[str, Any]) -> str:
-    found = re.findall(r"^=*\s*(\d+ passed.*?in [\d.]+s)", d["log"], re.M)
-    failed = re.findall(r"^=*\s*(\d+ failed.*?in [\d.]+s)", d["log"], re.M)
+    found = re.findall(r"^=*\s*(\d+ passed.*?in [\d.]+s)", d["log"], re.MULTILINE)
+    failed = re.findall(r"^=*\s*(\d+ failed.*?in [\d.]+s)", d["log"], re.MULTILINE)
     return (failed or found or ["no pytest summary in the log"])[-1]
 
 

@@ -76,6 +76,48 @@ def test_a_file_replaced_under_the_same_name_is_no_longer_linked_from_its_old_ro
     assert not history.kept(old, tmp_path) and history.kept(new, tmp_path)
 
 
+def notebook_run(mode: str, steps: int) -> dict[str, Any]:
+    evals = {"0": {"reward": -0.7, "win": 0.1}, str(steps): {"reward": 0.2, "win": 0.4}}
+    return {"notebook": "tic_tac_toe", "mode": mode, "steps": steps, "wall_s": 100.0 + steps, "summary": {"evals": evals}}
+
+
+def test_each_notebook_of_a_runner_session_gets_its_row_and_they_move_together(tmp_path: Path) -> None:
+    history = load("run_history")
+    folder = tmp_path / "tests" / "gpu" / "results" / "notebooks"
+    folder.mkdir(parents=True)
+    ledger = tmp_path / "history.jsonl"
+    (folder / "tic_tac_toe_runs.json").write_text(json.dumps([notebook_run("a100", 12), notebook_run("t4", 4)]))
+
+    added = history.update(tmp_path, ledger, commit="abc1234")
+    assert [(r["benchmark"], r["result"].split(",")[0]) for r in added] == [
+        ("notebook tic_tac_toe (a100)", "12 steps"), ("notebook tic_tac_toe (t4)", "4 steps")]
+    assert len({r["sha"] for r in added}) == 1 and all(history.kept(r, tmp_path) for r in added)
+    assert history.update(tmp_path, ledger) == []
+
+    (folder / "tic_tac_toe_runs.json").rename(folder / "tic_tac_toe_runs_old.json")
+    assert history.update(tmp_path, ledger) == []
+    assert {r["file"].rsplit("/", 1)[1] for r in history.read(ledger)} == {"tic_tac_toe_runs_old.json"}
+
+
+def test_a_file_without_a_date_is_dated_by_the_commit_that_brought_its_content(tmp_path: Path) -> None:
+    history = load("run_history")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.com", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    git = lambda *args, when="": subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                                                env={**env, "GIT_COMMITTER_DATE": when, "GIT_AUTHOR_DATE": when})
+    log = tmp_path / "tests" / "gpu" / "results" / "gpu_tests.log"
+    log.parent.mkdir(parents=True)
+    git("init", "-q")
+    log.write_text("==== 6 passed in 100.00s ====\n")
+    git("add", ".")
+    git("commit", "-qm", "first session", when="2026-11-30T06:42:00+00:00")
+    log.write_text("==== 8 passed in 300.00s ====\n")  # the next session replaces the log under its name
+    git("commit", "-qam", "second session", when="2026-12-03T10:06:00+00:00")
+
+    (row,) = history.rows_for(log, tmp_path)
+    assert (row["date"], row["result"]) == ("2026-12-03 10:06", "8 passed in 300.00s")
+
+
 def test_a_pytest_log_and_a_failing_check_are_summarised() -> None:
     history = load("run_history")
     log = {"log": "...\nPASSED tests/gpu/test_gpu_path.py::x\n======= 8 passed, 11 warnings in 238.44s (0:03:58) =======\n"}

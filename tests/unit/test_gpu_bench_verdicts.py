@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -33,18 +34,24 @@ FAST = {"enforce_eager": False, "compile_mode": "NONE", "cudagraph_mode": "FULL_
         "max_cudagraph_capture_size": 512}
 
 
-def row(rate: float, tokens: int = 1024) -> dict[str, Any]:
-    return {"tokens": [tokens, tokens], "tokens_per_s_stats": {"median": rate}}
+def row(*rates: float, tokens: int = 1024) -> dict[str, Any]:
+    """A side's row as `summarize` writes it: every repeat's seconds for the same tokens, and the median rate."""
+    return {"seconds": [tokens / r for r in rates], "tokens": [tokens] * len(rates),
+            "tokens_per_s_stats": {"median": statistics.median(rates)}}
 
 
 def throughput_sections() -> dict[str, Any]:
     return {
         "fast/plain_vllm": {"status": "ok", "init_s": 40.0, "graph_setting": FAST,
-                            "batches": {"8": row(1000.0), "64": row(8000.0), "256": {"skipped": "deadline"}}},
+                            "batches": {"8": row(1000.0, 990.0, 1010.0), "64": row(8000.0, 8100.0, 7900.0),
+                                        "256": {"skipped": "deadline"}}},
         "fast/art_vllm": {"status": "ok", "register_s": 50.0, "graph_setting": FAST,
-                          "batches": {"8": {"endpoint": row(960.0), "endpoint_logprobs": row(900.0),
-                                            "engine_direct": row(990.0)},
-                                      "64": {"endpoint": row(7000.0), "engine_direct": row(7900.0, tokens=1000)}}},
+                          "batches": {"8": {"endpoint": row(960.0, 950.0, 970.0),
+                                            "endpoint_logprobs": row(900.0, 900.0),  # a diagnostic: fewer repeats
+                                            # faster than plain in one round, slower in two: not settled
+                                            "engine_direct": row(990.0, 1000.0, 995.0)},
+                                      "64": {"endpoint": row(7000.0, 7100.0, 6900.0),
+                                             "engine_direct": row(7900.0, 7800.0, 8000.0, tokens=1000)}}},
     }
 
 
@@ -60,6 +67,38 @@ def test_throughput_compare_puts_the_endpoint_over_plain_and_judges_the_goal() -
     assert eight["same_token_counts"] and not sixty_four["same_token_counts"]
     assert found["same_graph_setting"] is True
     assert (found["plain_init_s"], found["art_register_s"]) == (40.0, 50.0)
+
+
+def test_throughput_compare_pairs_the_repeats_of_every_side_of_a_ratio() -> None:
+    tp = load("gpu_throughput")
+    eight = tp.compare(throughput_sections(), ["fast"])["startup"]["fast"]["ratios"]["8"]["head_to_head"]
+    # endpoint_logprobs (a diagnostic with fewer repeats) is no side of a ratio
+    assert set(eight["sides"]) == {"engine_direct", "endpoint", "plain"} and eight["enough_repeats"]
+    assert eight["sides"]["plain"]["median"] == round(1024 / 1000, 4)
+    assert eight["sides"]["endpoint"]["repeats"] == [round(1024 / r, 4) for r in (960, 950, 970)]
+    assert eight["sides"]["endpoint"]["spread"] == round((1024 / 950 - 1024 / 970) / (1024 / 960), 4)
+    # seconds for the same tokens: plain's over the endpoint's is the endpoint's rate over plain's
+    endpoint = eight["ratios"]["plain/endpoint"]
+    assert endpoint["of_medians"] == 0.96 and endpoint["holds"]
+    assert endpoint["per_round"] == [round(e / p, 4) for p, e in ((1000, 960), (990, 950), (1010, 970))]
+    direct = eight["ratios"]["plain/engine_direct"]
+    assert direct["of_medians"] == round(995 / 1000, 4) and direct["max"] > 1 > direct["min"]
+    assert not direct["holds"]
+    common = load("_common")
+    assert common.describe_ratio(eight, "plain/endpoint") == "0.96x (rounds 0.96-0.96, holds; n=3)"
+    assert "NOT settled" in common.describe_ratio(eight, "plain/engine_direct")
+
+
+def test_throughput_compare_reads_a_file_whose_rows_kept_only_their_rates() -> None:
+    tp = load("gpu_throughput")
+    sections = throughput_sections()
+    for part in ("fast/plain_vllm", "fast/art_vllm"):
+        for batch in sections[part]["batches"].values():
+            for side in [batch, *(v for v in batch.values() if isinstance(v, dict))]:
+                side.pop("seconds", None)
+    ratios = tp.compare(sections, ["fast"])["startup"]["fast"]["ratios"]
+    assert (ratios["8"]["endpoint_over_plain"], ratios["64"]["endpoint_over_plain"]) == (0.96, 0.875)
+    assert "head_to_head" not in ratios["8"] and "head_to_head" not in ratios["64"]
 
 
 def test_throughput_compare_notices_engines_that_ran_differently() -> None:
@@ -81,16 +120,54 @@ def test_a_part_stops_repeating_when_the_next_round_would_pass_the_deadline() ->
     assert deadline.fits() and not deadline.fits(scale=2.0)
 
 
+def turns(warmup: float, *seconds_per_step: float) -> list[dict[str, Any]]:
+    """A resident side's turns: the untimed warm-up, then one per round."""
+    return [{"s_per_step": warmup, "warmup": True}, *({"s_per_step": s, "warmup": False} for s in seconds_per_step)]
+
+
+def step_sections(rounds: int = 3) -> dict[str, Any]:
+    stats = lambda **means: {k: {"mean": v} for k, v in means.items()}
+    return {"art": {"step_stats": stats(wall_s=2.0, overhead_share=0.08, **{"time/swap": 0.03, "time/save": 0.1}),
+                    "graph_setting": FAST, "turns": turns(9.0, 2.0, 2.1, 1.9)[:rounds + 1]},
+            # TRL / pipelined is 1.56 of the medians, but TRL was the faster in the third round: not settled
+            "art_pipelined": {"turns": turns(9.0, 1.8, 1.7, 3.0)[:rounds + 1]},
+            "trl": {"step_stats": stats(wall_s=2.8), "graph_setting": {**FAST, "cudagraph_mode": "PIECEWISE"},
+                    "turns": turns(20.0, 2.8, 3.0, 2.7)[:rounds + 1]}}
+
+
 def test_step_compare_judges_every_goal_and_the_graph_setting() -> None:
     step = load("gpu_step")
-    stats = lambda **means: {k: {"mean": v} for k, v in means.items()}
-    sections = {"art": {"step_stats": stats(wall_s=2.0, overhead_share=0.08, **{"time/swap": 0.03, "time/save": 0.1}),
-                        "graph_setting": FAST},
-                "trl": {"step_stats": stats(wall_s=2.8), "graph_setting": {**FAST, "cudagraph_mode": "PIECEWISE"}}}
-    out = step.compare(sections)
-    assert out["trl_over_art_nb"] == 1.4 and out["step_goal_met"]
+    out = step.compare(step_sections(), ["art_sync", "art_pipelined", "trl"])
+    h2h = out["head_to_head"]
+    assert h2h["sides"]["art_sync"]["repeats"] == [2.0, 2.1, 1.9]  # the warm-up turn (compiles) left out
+    assert (h2h["sides"]["art_sync"]["median"], h2h["sides"]["trl"]["median"]) == (2.0, 2.8)
+    assert out["steps_per_hour"] == {"art_pipelined": 2000.0, "art_sync": 1800.0, "trl": round(3600 / 2.8, 1)}
+    assert h2h["ratios"]["trl/art_sync"]["per_round"] == [1.4, round(3.0 / 2.1, 4), round(2.7 / 1.9, 4)]
+    assert out["trl_over_art_sync"] == 1.4 and out["art_sync_goal_met"] is True
+    assert out["trl_over_art_nb"] == 1.4 and out["step_goal_met"] is True  # the fields earlier files had
+    assert (out["art_nb_step_s"], out["trl_step_s"]) == (2.0, 2.8)
+    assert out["trl_over_art_pipelined"] == round(2.8 / 1.8, 4) >= step.PIPELINE_GOAL
+    assert out["art_pipelined_goal_met"] is False and not h2h["ratios"]["trl/art_pipelined"]["holds"]
+    assert out["sync_over_pipelined"] == round(2.0 / 1.8, 4)
+    assert "TRL / art_sync = 1.40x (rounds 1.40-1.43, holds; n=3) (goal >= 1.3)" in out["verdict"]
+    assert "TRL / art_pipelined = 1.56x (rounds 0.90-1.76, NOT settled" in out["verdict"]
     assert out["overhead_goal_met"] is False and out["swap_goal_met"] is True
     assert out["same_graph_setting"] is False and "DIFFERENT" in out["verdict"]
+
+
+def test_step_compare_wants_enough_rounds_and_reads_a_file_without_turns() -> None:
+    step = load("gpu_step")
+    out = step.compare(step_sections(rounds=2), ["art_sync", "trl"])
+    assert out["trl_over_art_nb"] == round(2.9 / 2.05, 4) and out["head_to_head"]["ratios"]["trl/art_sync"]["holds"]
+    assert out["step_goal_met"] is False  # two rounds agree, but fewer than MIN_REPEATS decide nothing
+    assert "art_pipelined" not in out["head_to_head"]["sides"]  # not asked for: its section is ignored
+
+    sections = step_sections()
+    for entry in sections.values():
+        entry.pop("turns")
+    out = step.compare(sections, ["art_sync", "trl"])  # a run before interleaved turns: no ratio, still the rest
+    assert out["head_to_head"]["ratios"] == {} and "trl_over_art_nb" not in out and "step_goal_met" not in out
+    assert out["overhead_goal_met"] is False and out["same_graph_setting"] is False
 
 
 def test_t4_compare_wants_no_more_time_and_no_more_memory_than_unsloth() -> None:
