@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import openai
 import pytest
 
 import art_nb as art
@@ -116,8 +115,6 @@ async def test_the_agents_sdk_default_model_trains_on_the_ids_the_engine_sampled
     assert any(calls), "no rollout called the tool: the function-call path went untested"
 
 
-@pytest.mark.xfail(strict=False, raises=openai.BadRequestError,
-                   reason="forcing the first call to be a tool call needs tool_choice='required' served")
 async def test_a_forced_tool_call_then_the_reply_to_its_result_train_exactly(served: Any) -> None:
     calls = await _group_trains_exactly(*served, force_tool=True)
     assert all(calls), f"tool_choice='required' did not make every rollout call the tool: {calls}"
