@@ -14,6 +14,7 @@ from types import ModuleType
 import pytest
 
 import art_nb as art
+from art_nb.local.release import release_freed_memory
 
 HERE = Path(__file__).parent
 
@@ -38,6 +39,7 @@ async def example(tmp_path, monkeypatch) -> AsyncIterator[Callable[[str, str], M
         sys.modules.pop(name, None)
     for path in {tmp_path / ".art", tmp_path}:
         await art.LocalBackend(path=path).close()
+    release_freed_memory()  # what the example's own objects held is freed only now, after the close
 
 
 @pytest.fixture
