@@ -23,9 +23,10 @@ independent of timing: which adapter a rollout used never depends on when the st
 `enabled="auto"` asks the backend's plan (`backend.choices(model)["pipeline"]`, "on: ..." or "off:
 ..."): on where the engine keeps serving while it trains (vLLM beside a training that fits); off on
 a CPU, where rollouts and training share the cores: there it gave 1.58x the steps per hour on 2
-cores (bench/cpu_pipeline.py), but what the lag costs a short run's learning is not measured yet. True or False forces it; a backend that
-pauses its engine for a step still works pipelined (the rollouts wait for the step). A `train`
-called while a pipeline gathers knows it (`rollouts_beside`); RemoteBackend tells `art-nb serve`.
+cores (bench/cpu_pipeline.py), but what the lag costs a short run's learning is not measured yet.
+True or False forces it; a backend that pauses its engine for a step still works pipelined (the
+rollouts wait for the step). A `train` called while a pipeline gathers knows it (`rollouts_beside`);
+RemoteBackend tells `art-nb serve`.
 
 Interrupts keep their meaning: an interrupt inside `train` settles the step as it always does, and
 the rollouts gathered beside it are cancelled (when the loop's iterator goes, or at `aclose()`);

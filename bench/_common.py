@@ -533,8 +533,7 @@ def head_to_head(repeats: dict[str, list[float]], unit: str = "s") -> dict[str, 
     for name, values in repeats.items():
         if values:
             middle = statistics.median(values)
-            sides[name] = {"repeats": [round(v, 4) for v in values], "median": round(middle, 4),
-                           "min": round(min(values), 4), "max": round(max(values), 4),
+            sides[name] = {"repeats": [round(v, 4) for v in values], **stats(values),
                            "spread": round((max(values) - min(values)) / middle, 4) if middle else None}
     ratios: dict[str, Any] = {}
     names = list(sides)

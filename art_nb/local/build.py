@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import importlib
 import importlib.util
 import logging
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, TypeVar
 from art_nb.config import ModelConfig
 
 from .phases import PhaseClock
+from .release import release_freed_memory
 
 if TYPE_CHECKING:
     from .engines.base import Engine
@@ -95,7 +95,7 @@ async def build(plan: Plan, path: Path, config: ModelConfig, clock: PhaseClock, 
             prepare.exception()  # retrieved: the first error is the one raised
         if trainer is not None:
             del trainer
-            await asyncio.to_thread(_free_memory, plan)
+            await asyncio.to_thread(release_freed_memory)  # what the trainer built for nothing
         raise
 
 
@@ -122,12 +122,3 @@ def _import_shared() -> None:
     transformers 4.57.6: "cannot import name 'AlignDevicesHook'" in 2 of 3 runs, none once imported first)."""
     if importlib.util.find_spec("accelerate") is not None:
         importlib.import_module("accelerate")
-
-
-def _free_memory(plan: Plan) -> None:
-    """Give back what a trainer built for nothing held (its last reference is gone)."""
-    gc.collect()
-    if plan.device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()

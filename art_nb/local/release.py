@@ -1,4 +1,5 @@
-"""Handing freed memory back to the system once a backend closes.
+"""Handing freed memory back to the system once a backend closes (or a register fails after its trainer
+was built).
 
 A closed backend's model, optimizer and caches are freed, but glibc keeps freed heap pages in the
 arenas of the threads that used them: measured on SmolLM2-135M on CPU, register + one train step +

@@ -22,6 +22,7 @@ template fallback, and every trajectory trained.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,8 @@ from art_nb.grpo.captured import CaptureRefused
 from art_nb.grpo.tokens import tokenize_trajectory
 
 __all__ = ["EXAMPLES", "FOLLOW_UP", "MAX_TOKENS", "QUESTION", "ROLLOUTS", "SYSTEM", "TINY", "EngineTap", "Served",
-           "TrainTap", "called_tool", "check_trained", "example_reply", "served", "train_exactly", "weather"]
+           "TrainTap", "called_tool", "check_trained", "example_reply", "rollouts_train_exactly", "served",
+           "train_exactly", "weather"]
 
 TINY = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SYSTEM = "You answer with a tool call when a tool can help."
@@ -176,3 +178,16 @@ async def train_exactly(served: Served, group: art.TrajectoryGroup, framework: s
               "model calls": sum(samples), "fewest calls in a rollout": min(samples)}
     print(f"\n{framework}: {counts}")
     return counts
+
+
+async def rollouts_train_exactly(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, framework: str,
+                                 rollout: Callable[[art.TrainableModel], Awaitable[None]]) -> dict[str, int]:
+    """A model served for `framework`, `ROLLOUTS` of its agent's `rollout` in one group, and `train_exactly`
+    over them; the backend closed afterwards, whatever happened."""
+    s = await served(tmp_path, monkeypatch, framework)
+    try:
+        group = await art.trajectory_group([art.trajectory(rollout(s.model)) for _ in range(ROLLOUTS)])
+        assert len(group.trajectories) == ROLLOUTS
+        return await train_exactly(s, group, framework)
+    finally:
+        await s.backend.close()

@@ -15,11 +15,9 @@ from agent_frameworks import (
     FOLLOW_UP,
     MAX_TOKENS,
     QUESTION,
-    ROLLOUTS,
     SYSTEM,
     example_reply,
-    served,
-    train_exactly,
+    rollouts_train_exactly,
     weather,
 )
 
@@ -68,10 +66,4 @@ async def rollout(model: art.TrainableModel) -> None:
 
 
 async def test_a_langgraph_react_agent_trains_on_what_the_engine_sampled(tmp_path, monkeypatch) -> None:
-    s = await served(tmp_path, monkeypatch, "langgraph")
-    try:
-        group = await art.trajectory_group([art.trajectory(rollout(s.model)) for _ in range(ROLLOUTS)])
-        assert len(group.trajectories) == ROLLOUTS
-        await train_exactly(s, group, "langgraph")
-    finally:
-        await s.backend.close()
+    await rollouts_train_exactly(tmp_path, monkeypatch, "langgraph", rollout)

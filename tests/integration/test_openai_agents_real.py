@@ -19,11 +19,9 @@ from agent_frameworks import (
     FOLLOW_UP,
     MAX_TOKENS,
     QUESTION,
-    ROLLOUTS,
     SYSTEM,
     example_reply,
-    served,
-    train_exactly,
+    rollouts_train_exactly,
     weather,
 )
 
@@ -81,10 +79,4 @@ async def rollout(model: art.TrainableModel) -> None:
 
 async def test_an_agents_sdk_tool_agent_trains_on_what_the_engine_sampled(tmp_path, monkeypatch) -> None:
     set_tracing_disabled(True)  # the SDK would send traces to OpenAI
-    s = await served(tmp_path, monkeypatch, "agents-sdk")
-    try:
-        group = await art.trajectory_group([art.trajectory(rollout(s.model)) for _ in range(ROLLOUTS)])
-        assert len(group.trajectories) == ROLLOUTS
-        await train_exactly(s, group, "openai-agents")
-    finally:
-        await s.backend.close()
+    await rollouts_train_exactly(tmp_path, monkeypatch, "openai-agents", rollout)

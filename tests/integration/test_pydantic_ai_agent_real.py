@@ -16,11 +16,9 @@ from agent_frameworks import (
     FOLLOW_UP,
     MAX_TOKENS,
     QUESTION,
-    ROLLOUTS,
     SYSTEM,
     example_reply,
-    served,
-    train_exactly,
+    rollouts_train_exactly,
     weather,
 )
 
@@ -76,10 +74,4 @@ async def rollout(model: art.TrainableModel) -> None:
 
 
 async def test_a_pydantic_ai_tool_agent_trains_on_what_the_engine_sampled(tmp_path, monkeypatch) -> None:
-    s = await served(tmp_path, monkeypatch, "pydantic-ai")
-    try:
-        group = await art.trajectory_group([art.trajectory(rollout(s.model)) for _ in range(ROLLOUTS)])
-        assert len(group.trajectories) == ROLLOUTS
-        await train_exactly(s, group, "pydantic-ai")
-    finally:
-        await s.backend.close()
+    await rollouts_train_exactly(tmp_path, monkeypatch, "pydantic-ai", rollout)
