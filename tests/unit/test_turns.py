@@ -150,6 +150,25 @@ def test_tool_call_arguments_reserialised_by_the_client_still_match(smollm2, mod
     assert "<tool_response>\n21 C\n</tool_response>" in tok.decode(p2[len(p1) + len(sampled):])
 
 
+def test_two_rollouts_that_wrote_the_same_call_in_different_ids_each_get_their_own(smollm2) -> None:
+    """A group's rollouts often write the same call; one may split it differently (Qwen2.5's tokenizer
+    under a forced call: "Lima" as `L ima` in 1 of 8). Each client sends its call back with the id it got,
+    and each next prompt must hold that rollout's ids, not the last sample kept for the same text."""
+    tok = _fresh(smollm2, template=QWEN25_TEMPLATE)
+    head = tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "', add_special_tokens=False)
+    tail = tok.encode('"}}\n</tool_call>', add_special_tokens=False) + [tok.eos_token_id]
+    paris = tok.encode("Paris", add_special_tokens=False)
+    split = tok.encode("Par", add_special_tokens=False) + tok.encode("is", add_special_tokens=False)
+    assert paris != split
+    first = [{"role": "user", "content": "Weather in Paris?"}]
+    rollouts = [_call(tok, first, head + city + tail, tools=TOOLS) for city in (split, paris)]  # the split one first
+    for (p1, body), city in zip(rollouts, (split, paris), strict=True):
+        message = body["choices"][0]["message"]
+        second = [*first, message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "9 C"}]
+        p2, _ = _call(tok, second, [tok.eos_token_id], tools=TOOLS)
+        assert p2[: len(p1) + len(head + city + tail)] == p1 + head + city + tail
+
+
 def test_an_edited_turn_is_rendered(smollm2) -> None:
     tok = _fresh(smollm2)
     first = [{"role": "user", "content": "Say a word."}]

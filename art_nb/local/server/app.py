@@ -129,7 +129,7 @@ def create_app(
 
         def prepare(engine: Engine) -> tuple[list[int], SamplingParams]:
             prompt_ids = render_prompt(engine.tokenizer, req)
-            return prompt_ids, sampling_params(req, len(prompt_ids), engine.max_context)
+            return prompt_ids, sampling_params(req, len(prompt_ids), engine.max_context, engine.tokenizer)
 
         served, prompt_ids, samples = await run(request, req.model, prepare, threaded)
         return await _built(threaded, samples, req.top_logprobs, _response, served, prompt_ids, samples, req)
@@ -141,7 +141,7 @@ def create_app(
 
         def prepare(engine: Engine) -> tuple[list[int], SamplingParams]:
             prompt_ids = render_prompt(engine.tokenizer, chat)
-            return prompt_ids, sampling_params(chat, len(prompt_ids), engine.max_context)
+            return prompt_ids, sampling_params(chat, len(prompt_ids), engine.max_context, engine.tokenizer)
 
         def respond(served: ServedModel, prompt_ids: list[int], samples: list[Sample]) -> Response:
             body = response_body(completion(served.name, prompt_ids, samples, chat, served.engine.tokenizer), req)

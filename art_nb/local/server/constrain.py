@@ -12,7 +12,8 @@ Served:
 
 Tool calls are constrained to the format the prompt teaches and `toolcalls.py` parses back, the
 Hermes block `<tool_call>\\n{"name": X, "arguments": {...}}\\n</tool_call>` (blocks joined by a newline),
-with X one of the offered tools and the arguments that tool's `parameters` schema. A non-strict tool
+with X one of the offered tools and the arguments that tool's `parameters` schema; the tags are the
+tokenizer's own single tokens where it has them (Qwen2.5, Hermes), as the model writes them. A non-strict tool
 whose schema llguidance cannot compile gets any JSON object as arguments (the call is still well
 formed); a `strict` one is refused, since its arguments could not be held to the schema.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import weakref
 from typing import Any
 
 from art_nb.web import ApiError
@@ -53,8 +55,9 @@ def forced_tool(tool_choice: Any) -> str | None:
     return None
 
 
-def grammar_for(req: ChatCompletionRequest) -> str | None:
-    """The Lark grammar the reply to `req` must match, or None; ApiError 400 for what cannot be enforced."""
+def grammar_for(req: ChatCompletionRequest, tokenizer: Any = None) -> str | None:
+    """The Lark grammar the reply to `req` must match, or None; ApiError 400 for what cannot be enforced.
+    `tokenizer`: the served model's, for the call tags it holds as single tokens (`_tag`)."""
     answer = _answer(req.response_format)
     named = forced_tool(req.tool_choice)
     forced = req.tool_choice == "required" or named is not None
@@ -68,7 +71,7 @@ def grammar_for(req: ChatCompletionRequest) -> str | None:
     if answer is not None and not forced:
         rules.append(f"answer: {answer}")
     if "calls" in start:
-        rules.extend(_call_rules(req, named))
+        rules.extend(_call_rules(req, named, tokenizer))
     return "\n".join(rules)
 
 
@@ -87,7 +90,7 @@ def _answer(response_format: dict[str, Any] | None) -> str | None:
     return piece
 
 
-def _call_rules(req: ChatCompletionRequest, named: str | None) -> list[str]:
+def _call_rules(req: ChatCompletionRequest, named: str | None, tokenizer: Any) -> list[str]:
     """The rules of "calls": Hermes blocks, one per call, to the tool `named` or any offered one."""
     names = [tool.function.name for tool in req.tools or ()]
     if named is not None and named not in names:
@@ -96,9 +99,31 @@ def _call_rules(req: ChatCompletionRequest, named: str | None) -> list[str]:
     several = named is None and req.parallel_tool_calls is not False
     return [
         'calls: call ("\\n" call)*' if several else "calls: call",
-        'call: "<tool_call>\\n" (' + " | ".join(f"tool_{i}" for i in chosen) + ') "\\n</tool_call>"',
+        f'call: {_tag("<tool_call>", tokenizer)} "\\n" (' + " | ".join(f"tool_{i}" for i in chosen)
+        + f') "\\n" {_tag("</tool_call>", tokenizer)}',
         *(f"tool_{i}: {_literal(_call_head(names[i]))} {_parameters(req, i)} {_literal('}')}" for i in chosen),
     ]
+
+
+def _tag(tag: str, tokenizer: Any) -> str:
+    """`tag` as the grammar must take it: the token itself (llguidance's `<name>`) where the tokenizer has it
+    as one added token, as Qwen2.5's and Hermes' have `<tool_call>`; else its text. llguidance marks every
+    added token special, so its text form would refuse the one token a model writes the tag as (the mask
+    allowed it, consuming it failed: measured on Qwen2.5's tokenizer)."""
+    if tokenizer is not None and tag in _added_tokens(tokenizer):
+        return tag
+    return _literal(tag)
+
+
+def _added_tokens(tokenizer: Any) -> frozenset[str]:
+    """The tokenizer's added tokens, remembered per tokenizer (get_added_vocab builds a dict per call)."""
+    known = _ADDED.get(tokenizer)
+    if known is None:
+        known = _ADDED[tokenizer] = frozenset(tokenizer.get_added_vocab())
+    return known
+
+
+_ADDED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def _call_head(name: str) -> str:

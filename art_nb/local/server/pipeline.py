@@ -48,7 +48,8 @@ _ID_PREFIX = f"chatcmpl-{secrets.token_hex(8)}"
 _ID_COUNTER = itertools.count()
 
 
-def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: int) -> SamplingParams:
+def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: int, tokenizer: Any = None
+                    ) -> SamplingParams:
     room = max_context - prompt_len
     max_tokens = req.max_completion_tokens or req.max_tokens or max(room, 1)  # default: fill the context
     if max_tokens > room:
@@ -69,7 +70,7 @@ def sampling_params(req: ChatCompletionRequest, prompt_len: int, max_context: in
         seed=req.seed,
         ignore_eos=req.ignore_eos,
         top_logprobs=req.top_logprobs or 0,
-        grammar=grammar_for(req),  # JSON response formats and forced tool calls (constrain.py)
+        grammar=grammar_for(req, tokenizer),  # JSON response formats and forced tool calls (constrain.py)
     )
 
 

@@ -21,7 +21,11 @@ whole conversation is rendered, as with `ModelConfig(assistant_turns="rendered")
 
 Canonical form, so that what a client does to a reply on its way back still matches: content with
 surrounding whitespace stripped (None is ""), tool calls by function name and parsed JSON arguments
-(key order, spacing and call ids do not matter); other messages as sent. A turn the client edited
+(key order, spacing and call ids do not matter); other messages as sent. A reply with tool calls is
+also kept under its call ids, looked up first: a group's rollouts often write the same call, split
+into different ids (measured: 1 of 8 forced calls on Qwen2.5's tokenizer), and the ids a client sends
+back say which sample it got. Replies of the same text without calls cannot be told apart; the last
+one kept is the one given back. A turn the client edited
 misses, is rendered, and capture says where the ids part (`grpo/captured.py`).
 
 Bounded memory: per tokenizer (each engine has its own; one engine serves a base model and its
@@ -127,7 +131,8 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
         for k in range(len(req.messages) - 1, -1, -1):
             if req.messages[k].role != "assistant":
                 continue
-            kept = cache.get(chain[k + 1])
+            kept = _kept_with_call_ids(cache, chain[k], req.messages[k])
+            kept = kept if kept is not None else cache.get(chain[k + 1])
             if kept is None:
                 continue
             ids = _stitched(tokenizer, req, k, kept, cache)
@@ -149,8 +154,22 @@ def remember(tokenizer: Any, req: ChatCompletionRequest, prompt_ids: list[int], 
     end, prompt = _chain(req)[-1], array("i", prompt_ids)
     for choice in choices:
         message = choice["message"]
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or ()]
+        tool_calls = message.get("tool_calls") or ()
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls]
         cache.put(_link(end, _assistant(message.get("content"), calls)), prompt, choice["token_ids"])
+        if tool_calls:
+            ids = [c["id"] for c in tool_calls]
+            cache.put(_link(end, _assistant(message.get("content"), calls, ids)), prompt, choice["token_ids"])
+
+
+def _kept_with_call_ids(cache: TurnCache, before: bytes, message: Any) -> list[int] | None:
+    """The turn kept under message's call ids too, or None: two samples with the same calls and content
+    (a group's rollouts often write the same call) may be split into different ids; the ids a client
+    sends back with its calls say which one it got."""
+    if not message.tool_calls or not all(c.id for c in message.tool_calls):
+        return None
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    return cache.get(_link(before, _assistant(message.content, calls, [c.id for c in message.tool_calls])))
 
 
 def _stitched(tokenizer: Any, req: ChatCompletionRequest, k: int, kept: list[int], cache: TurnCache) -> list[int] | None:
@@ -208,9 +227,10 @@ def _chain(req: ChatCompletionRequest) -> list[bytes]:
     return chain
 
 
-def _assistant(content: Any, calls: list[tuple[str, str]]) -> bytes:
+def _assistant(content: Any, calls: list[tuple[str, str]], call_ids: list[str] | None = None) -> bytes:
     text = content.strip() if isinstance(content, str) else ""
-    return _canonical({"role": "assistant", "content": text, "calls": [[name, _arguments(a)] for name, a in calls]})
+    canonical = {"role": "assistant", "content": text, "calls": [[name, _arguments(a)] for name, a in calls]}
+    return _canonical(canonical if call_ids is None else {**canonical, "call_ids": call_ids})
 
 
 def _arguments(arguments: str) -> Any:

@@ -1,6 +1,7 @@
-"""Shared by the agent-framework tests (test_openai_agents_real.py, test_langgraph_agent_real.py,
+"""Shared by the agent-framework tests (tests/integration/test_openai_agents_real.py, test_langgraph_agent_real.py,
 test_pydantic_ai_agent_real.py, test_smolagents_agent_real.py): the task, the few-shot turns, and the
-check that a group of a framework's rollouts trained on exactly what the engine did.
+check that a group of a framework's rollouts trained on exactly what the engine did (tests/qwen25.py
+runs the same check on Qwen2.5's tokenizer, on CPU and on the GPU).
 
 The task: one tool (`get_weather`), a question, then a follow-up question in the same conversation, so
 every rollout makes two model calls at least, three or more when the model calls the tool. SmolLM2-135M
