@@ -5,9 +5,17 @@ Unsloth (tests/gpu/test_qwen25_gpu.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from agent_frameworks import Served
-from qwen25 import needs_qwen_vocabulary, qwen25_tool_agent_trains_exactly, random_qwen25
+from qwen25 import (
+    SPLIT_PATTERN,
+    needs_qwen_vocabulary,
+    qwen25_tokenizer,
+    qwen25_tool_agent_trains_exactly,
+    random_qwen25,
+)
 
 import art_nb as art
 
@@ -26,3 +34,21 @@ async def test_qwen25_tool_agent_trains_on_the_sampled_ids(tmp_path, monkeypatch
         assert counts["called the tool"] == counts["rollouts"]
     finally:
         await backend.close()
+
+
+def test_the_rebuilt_tokenizer_encodes_as_qwens_own_bpe() -> None:
+    """The tokenizer tests/qwen25.py builds splits text as tiktoken does over the same ranks and pattern
+    (Qwen's own tokenizer code is tiktoken over this file); its added tokens sit at Qwen2.5's ids."""
+    import base64
+
+    tiktoken = pytest.importorskip("tiktoken")
+    vocabulary = needs_qwen_vocabulary()
+    ranks = {base64.b64decode(token): int(rank) for token, rank in (
+        line.split() for line in vocabulary.read_bytes().splitlines() if line)}
+    reference = tiktoken.Encoding("qwen", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    tokenizer = qwen25_tokenizer(vocabulary)
+    for text in ["Weather in Paris? 21 C.", '{"city":"Lima"}\n\n    indented\tcode()  ', "日本語、中文。 Ünïcödé 🎉🎉",
+                 Path(__file__).read_text().replace("<", "< ")]:  # code, without added-token text
+        assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text)
+    assert tokenizer.encode("<|im_end|><tool_call>", add_special_tokens=False) == [151645, 151657]
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer)) == (151645, 151643, 151665)
