@@ -59,7 +59,7 @@ def run(name, mode, steps, out):
         client.execute()
     except CellExecutionError as exc:
         error = str(exc)[-3000:]
-    except Exception as exc:  # kernel death, timeout
+    except (Exception, KeyboardInterrupt) as exc:  # kernel death, timeout, the deadline's SIGINT (the .sh's)
         error = f"{type(exc).__name__}: {exc}"[-3000:]
     wall = time.perf_counter() - started
     nbformat.write(nb, out / f"{name}-{mode}.executed.ipynb")

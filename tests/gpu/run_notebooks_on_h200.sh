@@ -15,7 +15,8 @@ fi
 SNAP=/root/snap && rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xf gpu_snapshot.tar -C "$SNAP"
 cd "$SNAP"
 { date -u; nvidia-smi -L; cat "$ROOT/gpu_snapshot.commit"; } > "$OUT/notebooks_env.txt" 2>&1
-python3 tests/gpu/run_notebooks.py /root/nbwork "$@" 2>&1 | grep -v DEBUG | tail -40 > "$OUT/notebooks_run.log"
+# NB_DEADLINE_S: SIGINT then, so a device call's limit still brings back the cells run so far
+timeout -s INT "${NB_DEADLINE_S:-86400}" python3 tests/gpu/run_notebooks.py /root/nbwork "$@" 2>&1 | grep -v DEBUG | tail -40 > "$OUT/notebooks_run.log"
 cp /root/nbwork/notebooks_gpu.json "$OUT/" 2>/dev/null
 for nb in /root/nbwork/*.executed.ipynb; do [ -f "$nb" ] && cp "$nb" "$OUT/"; done
 cat "$OUT/notebooks_run.log"
