@@ -34,9 +34,7 @@ fi
 # vLLM's quantisation path (Unsloth's fast_inference in `t4`, vLLM serving NF4 in `t4` and `memory`) imports
 # compressed_tensors (vLLM 0.25 pins 0.17.0; not in the staged vLLM site): carry .gpu/extra/ with the
 # compressed_tensors-0.17.0 and loguru wheels (`pip download compressed-tensors==0.17.0 loguru --no-deps -d .gpu/extra`).
-if ls .gpu/extra/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-deps --no-index --target /root/usite .gpu/extra/*.whl || echo "extra wheels failed"
-fi
+bash tests/gpu/install_extra.sh
 
 left() { echo $(( LIMIT - ($(date +%s) - START) )); }
 # Run a benchmark with a deadline of its own (what is left, less a margin) and a hard stop just before

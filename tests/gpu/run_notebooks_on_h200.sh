@@ -7,11 +7,8 @@ set -uo pipefail
 ROOT=$(pwd)
 bash .gpu/bin/unpack.sh >/dev/null && source .gpu/bin/env.sh
 # The tool-agent notebook's LangGraph and LangChain are not in the staged packages and the machine has no
-# network: carry their wheels in .gpu/extra/ (`pip download langgraph langchain-openai --python-version 3.12
-# --only-binary=:all: --platform manylinux2014_x86_64`, keeping what the machine lacks), installed here.
-if ls .gpu/extra/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --target /root/usite .gpu/extra/*.whl || echo "extra wheels failed"
-fi
+# network: carry their wheels in .gpu/extra/ (tests/gpu/install_extra.sh says how).
+bash tests/gpu/install_extra.sh
 SNAP=/root/snap && rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xf gpu_snapshot.tar -C "$SNAP"
 cd "$SNAP"
 { date -u; nvidia-smi -L; cat "$ROOT/gpu_snapshot.commit"; } > "$OUT/notebooks_env.txt" 2>&1

@@ -7,16 +7,13 @@
 set -uo pipefail
 ROOT=$(pwd)
 bash .gpu/bin/unpack.sh >/dev/null && source .gpu/bin/env.sh
-# Wheels the staged packages lack (dashscope for Qwen's vocabulary, tests/qwen25.py): carry .gpu/extra/.
-if ls .gpu/extra/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --target /root/usite .gpu/extra/*.whl || echo "extra wheels failed"
-fi
+bash tests/gpu/install_extra.sh  # what the staged packages lack, carried in .gpu/extra/
 SNAP=/root/snap && rm -rf "$SNAP" && mkdir -p "$SNAP" && tar -xf gpu_snapshot.tar -C "$SNAP"
 cd "$SNAP"
 { date -u; nvidia-smi; python3 -c "import torch, transformers, peft, vllm, unsloth, trl, bitsandbytes as b, sys; \
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', \
 peft.__version__, 'vllm', vllm.__version__, 'unsloth', unsloth.__version__, 'trl', trl.__version__, 'bitsandbytes', b.__version__)"; \
   cat "$ROOT/gpu_snapshot.commit"; } > "$OUT/env.txt" 2>&1
-ART_NB_GPU_RESULTS=$OUT timeout 540 python3 -m pytest -q -p no:cacheprovider -rA "$@" tests/gpu 2>&1 \
-  | grep -v "DEBUG" > "$OUT/gpu_tests.log"
+ART_NB_GPU_RESULTS=$OUT timeout -s INT -k 10 "${GPU_TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rA "$@" tests/gpu 2>&1 \
+  | grep --line-buffered -v "DEBUG" > "$OUT/gpu_tests.log"
 tail -30 "$OUT/gpu_tests.log"
