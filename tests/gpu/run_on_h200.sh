@@ -14,6 +14,13 @@ cd "$SNAP"
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'peft', \
 peft.__version__, 'vllm', vllm.__version__, 'unsloth', unsloth.__version__, 'trl', trl.__version__, 'bitsandbytes', b.__version__)"; \
   cat "$ROOT/gpu_snapshot.commit"; } > "$OUT/env.txt" 2>&1
-ART_NB_GPU_RESULTS=$OUT timeout -s INT -k 10 "${GPU_TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rA "$@" tests/gpu 2>&1 \
-  | grep --line-buffered -v "DEBUG" > "$OUT/gpu_tests.log"
-tail -30 "$OUT/gpu_tests.log"
+# Two processes: vLLM starts one engine per process (its CuMem allocator), and test_qwen25_gpu.py serves
+# another model than the rest. Each writes its own results file and log.
+START=$(date +%s)
+ART_NB_GPU_RESULTS=$OUT timeout -s INT -k 10 "${GPU_TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rA \
+  -k "not qwen25" "$@" tests/gpu 2>&1 | grep --line-buffered -v "DEBUG" > "$OUT/gpu_tests.log"
+tail -12 "$OUT/gpu_tests.log"
+LEFT=$(( ${GPU_TESTS_S:-540} + ${QWEN25_S:-240} - ($(date +%s) - START) ))
+ART_NB_GPU_RESULTS=$OUT/qwen25 timeout -s INT -k 10 "$LEFT" python3 -m pytest -q -p no:cacheprovider -rA \
+  -k qwen25 "$@" tests/gpu 2>&1 | grep --line-buffered -v "DEBUG" > "$OUT/gpu_tests_qwen25.log"
+tail -12 "$OUT/gpu_tests_qwen25.log"

@@ -1,7 +1,10 @@
 """tests/integration/test_qwen25_real.py's check with vLLM serving and Unsloth training: a tool-using
 agent on Qwen2.5's real tokenizer and template (random weights in a small Qwen2 shape, built offline as
 tests/qwen25.py says) trains on exactly the ids vLLM sampled, its forced calls held by vLLM's guidance
-backend to the grammar the transformers engine uses. What it saw goes to the results file."""
+backend to the grammar the transformers engine uses. What it saw goes to the results file.
+
+Run it in a process of its own (`pytest -k qwen25 tests/gpu`, as run_on_h200.sh does): vLLM starts one
+engine per process, and test_gpu_path.py's engine comes first."""
 
 from __future__ import annotations
 
