@@ -171,23 +171,33 @@ class Deadline:
 # ---- step timing and py-spy ------------------------------------------------------------------------------
 
 STEP_KEYS = ("steps", "step_s_mean", "step_s_median", "step_s_max", "gap_s_mean", "gap_s_median", "gap_s_max",
-             "in_step_share", "lead_s", "tail_s")
+             "in_step_share", "lead_s", "tail_s", "first_add_s", "half_added_s", "last_add_s", "added_before_step_1")
 Run = tuple[float, int, "dict[str, Any] | None"]  # wall seconds, completion tokens, step statistics (vLLM)
 
 
 class StepTimer:
-    """Times every `step()` of a vLLM `LLMEngine` between `begin()` and `end()`.
+    """Times every `step()` and `add_request()` of a vLLM `LLMEngine` between `begin()` and `end()`.
 
-    Replaces `engine.step` with a timed wrapper as an instance attribute: art_nb's driver
-    (`self._engine.step`) and `LLM._run_engine` (`self.llm_engine.step()`) look it up on every call.
-    With `engine=None` (the transformers engine) it only measures the wall time.
+    Replaces `engine.step` and `engine.add_request` with timed wrappers as instance attributes: art_nb's
+    driver (`self._engine.step`) and `LLM._run_engine` (`self.llm_engine.step()`) look them up on every
+    call. When the requests reached the engine against when it stepped tells per-request cost before the
+    engine (requests arriving late) from contention inside its steps. With `engine=None` (the
+    transformers engine) it only measures the wall time.
     """
 
     def __init__(self, engine: Any | None) -> None:
         self.spans: list[tuple[float, float]] = []
+        self.adds: list[float] = []
         self._armed = False
         if engine is not None:
-            step = engine.step
+            step, add_request = engine.step, engine.add_request
+
+            def timed_add(*args: Any, **kwargs: Any) -> Any:
+                if self._armed:
+                    self.adds.append(time.perf_counter())
+                return add_request(*args, **kwargs)
+
+            engine.add_request = timed_add
 
             def timed_step(*args: Any, **kwargs: Any) -> Any:
                 if not self._armed:
@@ -201,7 +211,7 @@ class StepTimer:
             engine.step = timed_step
 
     def begin(self) -> float:
-        self.spans = []
+        self.spans, self.adds = [], []
         self._armed = True
         return time.perf_counter()
 
@@ -209,14 +219,21 @@ class StepTimer:
         """(wall seconds since `mark`, step statistics of the run: None for an engine without steps)."""
         done = time.perf_counter()
         self._armed = False
-        return done - mark, step_stats(self.spans, mark, done) if self.spans else None
+        return done - mark, step_stats(self.spans, mark, done, self.adds) if self.spans else None
 
 
-def step_stats(spans: list[tuple[float, float]], mark: float, done: float) -> dict[str, Any]:
-    """One run's steps: count, time inside step(), gaps between steps, share of the wall inside step()."""
+def step_stats(spans: list[tuple[float, float]], mark: float, done: float,
+               adds: list[float] | None = None) -> dict[str, Any]:
+    """One run's steps: count, time inside step(), gaps between steps, share of the wall inside step(); and
+    when the requests were added (first, half of them, last; how many before the first step began)."""
     inside = [end - start for start, end in spans]
     gaps = [b[0] - a[1] for a, b in itertools.pairwise(spans)] or [0.0]
-    return {"steps": len(spans), "step_s_mean": round(statistics.fmean(inside), 6),
+    arrivals: dict[str, Any] = {}
+    if adds:
+        arrivals = {"first_add_s": round(adds[0] - mark, 6), "half_added_s": round(adds[len(adds) // 2] - mark, 6),
+                    "last_add_s": round(adds[-1] - mark, 6),
+                    "added_before_step_1": sum(1 for t in adds if t < spans[0][0])}
+    return {**arrivals, "steps": len(spans), "step_s_mean": round(statistics.fmean(inside), 6),
             "step_s_median": round(statistics.median(inside), 6), "step_s_max": round(max(inside), 6),
             "gap_s_mean": round(statistics.fmean(gaps), 6), "gap_s_median": round(statistics.median(gaps), 6),
             "gap_s_max": round(max(gaps), 6), "in_step_share": round(sum(inside) / (done - mark), 4),
@@ -549,10 +566,11 @@ def step_row(row: dict[str, Any] | None) -> dict[str, float | None]:
     before the first step and after the last (where per-request cost shows)."""
     if not row or not row.get("steps"):
         return {}
-    ms = lambda key: _median([None if v is None else 1000 * v for v in row[key]])
+    ms = lambda key: _median([None if v is None else 1000 * v for v in row.get(key, [])])
     return {"ms_per_step": _median(row["ms_per_step"]), "in_step_ms": ms("step_s_median"), "gap_ms": ms("gap_s_mean"),
             "lead_ms": ms("lead_s"), "tail_ms": ms("tail_s"), "steps": _median(row["steps"]),
-            "in_step_share": _median(row["in_step_share"])}
+            "in_step_share": _median(row["in_step_share"]), "last_add_ms": ms("last_add_s"),
+            "added_before_step_1": _median(row.get("added_before_step_1", []))}
 
 
 def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
@@ -575,7 +593,8 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
                     r[f"{name}_tokens_per_s"] = rate
                     r[f"{name}_over_plain"] = round(rate / base, 3)
             timing = {name: step_row(v) for name, v in rows.items()}
-            for key in ("ms_per_step", "in_step_ms", "gap_ms", "lead_ms", "tail_ms", "steps"):
+            for key in ("ms_per_step", "in_step_ms", "gap_ms", "lead_ms", "tail_ms", "steps", "last_add_ms",
+                        "added_before_step_1"):
                 r[key] = {name: t[key] for name, t in timing.items() if t}
             r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
             r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL

@@ -9,6 +9,8 @@
 # pipeline     gpu_step.py --art-modes sync pipelined (art_nb's loop with and without art.pipeline vs TRL,
 #              3 interleaved rounds), then gpu_tictactoe.py --pipeline both (SmolLM2 learning curves
 #              with and without the pipeline, on the same games)               ~5.5 + ~3.5 min (estimated)
+# endpoint     gpu_throughput.py --startup fast, then endpoint_per_request.py on this host's CPU (what one request
+#              costs the client and the server thread, no engine) and its profile at 256   ~4.5 min (estimated)
 # t4           gpu_t4_vs_unsloth.py (Unsloth's T4 recipe vs art_nb's T4 config, 15 GiB cap)   ~8-9 min (alone)
 # memory       gpu_memory_fit.py (the 2048 notebook's config, 15 GiB cap)    ~6.5 min
 # prefix       hf_prefix_cache.py on the GPU (transformers engine, SmolLM2): multi-turn rollouts with the
@@ -20,7 +22,7 @@
 # every section, so a later part failing or the time running out never loses a finished part; the
 # parts' logs under $OUT/bench/_parts/. Ends with one line: the segment, its seconds and the verdict.
 set -u
-SEGMENT=${1:?usage: bash bench/run_h200.sh throughput|step|pipeline|t4|memory|prefix|startup}
+SEGMENT=${1:?usage: bash bench/run_h200.sh throughput|endpoint|step|pipeline|t4|memory|prefix|startup}
 START=$(date +%s)
 LIMIT=${H200_SEGMENT_S:-560}             # seconds from now until everything must have ended
 : "${OUT:?set OUT (the folder that comes back)}"
@@ -58,6 +60,16 @@ case "$SEGMENT" in
                 --pipeline both --cuda-graphs --budget-s $(( $(left) - 110 ))
               echo "== gpu_tictactoe.py ended with $? after $(( $(date +%s) - START )) s"
               FILE=gpu_step ;;
+  endpoint)   # Where the endpoint's time goes at the engine's side (gpu_throughput's request arrival times) and at
+              # the client's and server's (endpoint_per_request.py: the same request path with an engine that answers
+              # at once, so its CPU per request is this host's, not this project's 2-core box's).
+              bench gpu_throughput.py --startup fast $(deadline_flag 330)
+              echo "== endpoint_per_request.py ($(left) s left)"
+              timeout -s INT -k 10 $(( $(left) - 70 )) "$PY" bench/endpoint_per_request.py --kinds plain logprobs \
+                --out "$OUT/bench/endpoint_per_request_h200.json" 2>&1 | tail -20
+              timeout -s INT -k 10 $(( $(left) - 12 )) "$PY" bench/endpoint_per_request.py --profile plain:256 \
+                --requests 512 > "$OUT/bench/endpoint_per_request_profile_h200.txt" 2>&1
+              FILE=gpu_throughput ;;
   t4)         # Both sides need ~8 min at 5 steps (measured: Unsloth import 37 s + load 97 s + first step 39 s;
               # art_nb register 62 s + first step 51 s): run it alone with the full limit, or fewer steps
               # (H200_T4_STEPS=3).
@@ -67,7 +79,7 @@ case "$SEGMENT" in
               bench gpu_memory_fit.py --startup fast ${H200_MEMORY_ARGS:-}; FILE=gpu_memory_fit ;;
   prefix)     bench hf_prefix_cache.py --out "$OUT/bench/hf_prefix_cache_h200.json"; FILE=hf_prefix_cache_h200 ;;
   startup)    bench gpu_startup.py --modes fast eager; FILE=gpu_startup ;;
-  *) echo "unknown segment $SEGMENT: throughput, step, pipeline, t4, memory, prefix or startup"; exit 2 ;;
+  *) echo "unknown segment $SEGMENT: throughput, endpoint, step, pipeline, t4, memory, prefix or startup"; exit 2 ;;
 esac
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/bench/${FILE}.gpu.txt" 2>&1

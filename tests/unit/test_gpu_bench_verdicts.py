@@ -242,3 +242,14 @@ def test_the_segment_script_parses_and_refuses_an_unknown_segment(tmp_path: Path
     done = subprocess.run(["bash", str(script), "nonsense"], cwd=tmp_path, capture_output=True, text=True,
                           env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=False)
     assert done.returncode == 2 and "unknown segment" in done.stdout
+
+
+def test_step_stats_say_when_requests_reached_the_engine_against_its_first_step() -> None:
+    tp = load("gpu_throughput")
+    spans = [(0.250, 0.258), (0.259, 0.266), (0.267, 0.275)]
+    adds = [0.002, 0.120, 0.248, 0.249, 0.262]
+    stats = tp.step_stats(spans, mark=0.0, done=0.300, adds=adds)
+    assert stats["lead_s"] == pytest.approx(0.250) and stats["first_add_s"] == pytest.approx(0.002)
+    assert stats["half_added_s"] == pytest.approx(0.248) and stats["last_add_s"] == pytest.approx(0.262)
+    assert stats["added_before_step_1"] == 4  # the engine had work from 2 ms on and first stepped at 250 ms
+    assert "first_add_s" not in tp.step_stats(spans, mark=0.0, done=0.300)  # plain engines without adds timed
