@@ -473,7 +473,9 @@ def take_turns(args: argparse.Namespace, results: Results, residents: dict[str, 
             resident = residents["trl" if side == "trl" else "art"]
             if side in dead:
                 continue
-            guess = last.get(side, 120.0) * (steps / max(args.steps, 1) if not warmup else 1) + 15
+            # A side not timed yet is guessed at the slowest turn so far (its own process may already be warm)
+            seen = last.get(side, max(last.values(), default=120.0))
+            guess = seen * (steps / max(args.steps, 1) if not warmup else 1) + 15
             if left() < guess and not args.quick:
                 results.data["stopped_early"] = f"{left():.0f} s left before the deadline, a {side} turn takes ~{guess:.0f} s"
                 results.save()

@@ -7,8 +7,9 @@
 # throughput   gpu_throughput.py --startup fast eager (plain vLLM + art_nb)   ~7.5 min (fast ~2.5, eager ~4.2)
 # step         gpu_step.py (art_nb vs TRL colocated, both vLLM "fast"; 3 interleaved rounds)   ~5 min
 # pipeline     gpu_step.py --art-modes sync pipelined (art_nb's loop with and without art.pipeline vs TRL,
-#              3 interleaved rounds), then gpu_tictactoe.py --pipeline both (SmolLM2 learning curves
-#              with and without the pipeline, on the same games)               ~5.5 + ~3.5 min (estimated)
+#              3 interleaved rounds)                                         ~7 min (register ~100 s)
+# curves       gpu_tictactoe.py --pipeline both (SmolLM2 learning curves with and without the pipeline,
+#              on the same games)                                            ~3.5 min
 # endpoint     gpu_throughput.py --startup fast, then endpoint_per_request.py on this host's CPU (what one request
 #              costs the client and the server thread, no engine) and its profile at 256   ~4.5 min (estimated)
 # t4           gpu_t4_vs_unsloth.py (Unsloth's T4 recipe vs art_nb's T4 config, 15 GiB cap)   ~8-9 min (alone)
@@ -22,7 +23,7 @@
 # every section, so a later part failing or the time running out never loses a finished part; the
 # parts' logs under $OUT/bench/_parts/. Ends with one line: the segment, its seconds and the verdict.
 set -u
-SEGMENT=${1:?usage: bash bench/run_h200.sh throughput|endpoint|step|pipeline|t4|memory|prefix|startup}
+SEGMENT=${1:?usage: bash bench/run_h200.sh throughput|endpoint|step|pipeline|curves|t4|memory|prefix|startup}
 START=$(date +%s)
 LIMIT=${H200_SEGMENT_S:-560}             # seconds from now until everything must have ended
 : "${OUT:?set OUT (the folder that comes back)}"
@@ -52,14 +53,16 @@ deadline_flag() { echo "--deadline-s $(( $(left) - 25 < $1 ? $(left) - 25 : $1 )
 case "$SEGMENT" in
   throughput) bench gpu_throughput.py --startup fast eager $(deadline_flag 540); FILE=gpu_throughput ;;
   step)       bench gpu_step.py --startup fast $(deadline_flag 520); FILE=gpu_step ;;
-  pipeline)   # The step benchmark with art.pipeline as a third side (its gpu_step.json holds all three), then the
-              # learning curves in what is left (~200 s: register ~40 s, two curves, three evaluations of 64 games).
-              bench gpu_step.py --startup fast --art-modes sync pipelined $(deadline_flag 330)
+  pipeline)   # The step benchmark with art.pipeline as a third side: its gpu_step.json holds all three
+              bench gpu_step.py --startup fast --art-modes sync pipelined $(deadline_flag 540); FILE=gpu_step ;;
+  curves)     # SmolLM2 tic-tac-toe trained twice from step 0 on the same games, with and without art.pipeline
               echo "== gpu_tictactoe.py --pipeline both ($(left) s left)"
               timeout -s INT -k 10 $(( $(left) - 12 )) "$PY" bench/gpu_tictactoe.py "$OUT/bench/tictactoe" --steps 12 \
                 --pipeline both --cuda-graphs --budget-s $(( $(left) - 110 ))
               echo "== gpu_tictactoe.py ended with $? after $(( $(date +%s) - START )) s"
-              FILE=gpu_step ;;
+              # its backend's store (checkpoints, logs) is too many files to come back, and crowded out the JSON
+              rm -rf "$OUT/bench/tictactoe/art"
+              FILE=tictactoe/tictactoe ;;
   endpoint)   # Where the endpoint's time goes at the engine's side (gpu_throughput's request arrival times) and at
               # the client's and server's (endpoint_per_request.py: the same request path with an engine that answers
               # at once, so its CPU per request is this host's, not this project's 2-core box's).
@@ -79,7 +82,7 @@ case "$SEGMENT" in
               bench gpu_memory_fit.py --startup fast ${H200_MEMORY_ARGS:-}; FILE=gpu_memory_fit ;;
   prefix)     bench hf_prefix_cache.py --out "$OUT/bench/hf_prefix_cache_h200.json"; FILE=hf_prefix_cache_h200 ;;
   startup)    bench gpu_startup.py --modes fast eager; FILE=gpu_startup ;;
-  *) echo "unknown segment $SEGMENT: throughput, endpoint, step, pipeline, t4, memory, prefix or startup"; exit 2 ;;
+  *) echo "unknown segment $SEGMENT: throughput, endpoint, step, pipeline, curves, t4, memory, prefix or startup"; exit 2 ;;
 esac
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/bench/${FILE}.gpu.txt" 2>&1
