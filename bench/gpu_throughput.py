@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import math
 import os
@@ -83,9 +84,11 @@ from _common import (
 )
 
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
-ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct")  # the first is the headline
+# the first is the headline; "endpoint_unfrozen" is the headline call with register's heap given back to the
+# collector for the run (gc.unfreeze, then gc.freeze again), as before art_nb froze it: what the freeze saves
+ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct", "endpoint_unfrozen")
 HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
-HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct")  # each gets every repeat: median of >= 3, same run
+HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct", "endpoint_unfrozen")  # each gets every repeat: median of >= 3, same run
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
 PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "art_hf": 240}
@@ -171,7 +174,8 @@ class Deadline:
 # ---- step timing and py-spy ------------------------------------------------------------------------------
 
 STEP_KEYS = ("steps", "step_s_mean", "step_s_median", "step_s_max", "gap_s_mean", "gap_s_median", "gap_s_max",
-             "in_step_share", "lead_s", "tail_s", "first_add_s", "half_added_s", "last_add_s", "added_before_step_1")
+             "in_step_share", "lead_s", "tail_s", "first_add_s", "half_added_s", "last_add_s", "added_before_step_1",
+             "gc_s", "gc2_s", "gc2_count")
 Run = tuple[float, int, "dict[str, Any] | None"]  # wall seconds, completion tokens, step statistics (vLLM)
 
 
@@ -188,7 +192,10 @@ class StepTimer:
     def __init__(self, engine: Any | None) -> None:
         self.spans: list[tuple[float, float]] = []
         self.adds: list[float] = []
+        self.collections: list[tuple[int, float]] = []  # (generation, seconds) of each GC pass while armed
         self._armed = False
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
         if engine is not None:
             step, add_request = engine.step, engine.add_request
 
@@ -210,8 +217,14 @@ class StepTimer:
 
             engine.step = timed_step
 
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._armed:
+            self.collections.append((info["generation"], time.perf_counter() - self._gc_start))
+
     def begin(self) -> float:
-        self.spans, self.adds = [], []
+        self.spans, self.adds, self.collections = [], [], []
         self._armed = True
         return time.perf_counter()
 
@@ -219,7 +232,12 @@ class StepTimer:
         """(wall seconds since `mark`, step statistics of the run: None for an engine without steps)."""
         done = time.perf_counter()
         self._armed = False
-        return done - mark, step_stats(self.spans, mark, done, self.adds) if self.spans else None
+        if not self.spans:
+            return done - mark, None
+        oldest = [seconds for generation, seconds in self.collections if generation == 2]
+        return done - mark, {**step_stats(self.spans, mark, done, self.adds),
+                             "gc_s": round(sum(seconds for _, seconds in self.collections), 6),
+                             "gc2_s": round(sum(oldest), 6), "gc2_count": len(oldest)}
 
 
 def step_stats(spans: list[tuple[float, float]], mark: float, done: float,
@@ -435,7 +453,14 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         seconds, steps = timer.end(mark)
         return seconds, sum(len(s[0].token_ids) for s in samples), steps
 
-    modes: dict[str, Any] = {"endpoint": via_endpoint,
+    async def unfrozen(batch: int) -> Run:
+        gc.unfreeze()
+        try:
+            return await via_endpoint(batch)
+        finally:
+            gc.freeze()
+
+    modes: dict[str, Any] = {"endpoint": via_endpoint, "endpoint_unfrozen": unfrozen,
                              "endpoint_logprobs": lambda b: via_endpoint(b, logprobs=True),
                              "endpoint_http": lambda b: via_endpoint(b, http=True),
                              "engine_direct": lambda b: backend.loop.run(direct(b))}
@@ -570,7 +595,8 @@ def step_row(row: dict[str, Any] | None) -> dict[str, float | None]:
     return {"ms_per_step": _median(row["ms_per_step"]), "in_step_ms": ms("step_s_median"), "gap_ms": ms("gap_s_mean"),
             "lead_ms": ms("lead_s"), "tail_ms": ms("tail_s"), "steps": _median(row["steps"]),
             "in_step_share": _median(row["in_step_share"]), "last_add_ms": ms("last_add_s"),
-            "added_before_step_1": _median(row.get("added_before_step_1", []))}
+            "added_before_step_1": _median(row.get("added_before_step_1", [])), "gc_ms": ms("gc_s"),
+            "gc2_ms": ms("gc2_s")}
 
 
 def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
@@ -594,14 +620,15 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
                     r[f"{name}_over_plain"] = round(rate / base, 3)
             timing = {name: step_row(v) for name, v in rows.items()}
             for key in ("ms_per_step", "in_step_ms", "gap_ms", "lead_ms", "tail_ms", "steps", "last_add_ms",
-                        "added_before_step_1"):
+                        "added_before_step_1", "gc_ms", "gc2_ms"):
                 r[key] = {name: t[key] for name, t in timing.items() if t}
             r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
             r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL
             # Seconds per run (the same tokens every run): the modes of one process took turns, repeat by repeat;
             # plain vLLM ran in its own process, its repeats beside theirs. A row that kept only its rates has no
             # repeats to pair round by round: it stays out, and the ratios above stand on the medians alone
-            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http", "plain")
+            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http",
+                                                               "endpoint_unfrozen", "plain")
                      if rows.get(name) and rows[name].get("seconds")}
             if len(timed) > 1:
                 r["head_to_head"] = head_to_head(timed, unit="s per run")

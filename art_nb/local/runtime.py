@@ -33,6 +33,7 @@ from .commit import settle
 from .engines.vllm.args import MemorySnapshot, planned_memory
 from .loop import BackgroundLoop
 from .phases import PhaseCallback, PhaseClock
+from .release import freeze_heap
 from .state import ModelState
 
 if TYPE_CHECKING:
@@ -193,6 +194,7 @@ class Runtime:
                 with output:
                     state = await self._load(model, PhaseClock(on_phase))
             self.models[key] = state
+            freeze_heap()  # what register built stays: out of the collector's passes (release.py)
             return state.choices
 
     async def _replace_engine(self, state: ModelState) -> None:
