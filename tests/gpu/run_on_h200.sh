@@ -20,6 +20,7 @@ START=$(date +%s)
 ART_NB_GPU_RESULTS=$OUT timeout -s INT -k 10 "${GPU_TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider -rA \
   -k "not qwen25" "$@" tests/gpu 2>&1 | grep --line-buffered -v "DEBUG" > "$OUT/gpu_tests.log"
 tail -12 "$OUT/gpu_tests.log"
+[ "${QWEN25_S:-240}" = 0 ] && exit 0  # QWEN25_S=0: the first process only
 LEFT=$(( ${GPU_TESTS_S:-540} + ${QWEN25_S:-240} - ($(date +%s) - START) ))
 ART_NB_GPU_RESULTS=$OUT/qwen25 timeout -s INT -k 10 "$LEFT" python3 -m pytest -q -p no:cacheprovider -rA \
   -k qwen25 "$@" tests/gpu 2>&1 | grep --line-buffered -v "DEBUG" > "$OUT/gpu_tests_qwen25.log"
