@@ -1,0 +1,216 @@
+"""A GPU's rollout wave modelled on a CPU: what the endpoint costs beside vLLM's step loop, and what
+freezing register's heap out of the garbage collector saves.
+
+    .venv/bin/python bench/endpoint_wave_cpu.py [--batch-sizes 64 256] [--repeats 5] [--gpu-ms 6]
+        [--out bench/results/endpoint_wave_cpu.json]
+
+On the GPU, the endpoint, the notebook's OpenAI client and vLLM's engine thread share one process: a
+decode step is a few ms of GPU work (the GIL released) between short Python stretches, and every
+microsecond the request path spends holding the GIL, or a garbage-collector pass stops every thread
+for, delays the next step. This runs that shape without a GPU: art_nb's own `VLLMThread` steps a core
+whose `step()` spins `--python-ms` (the step's Python) and sleeps `--gpu-ms` (the GPU, GIL released);
+every request ends after 128 steps, as `ignore_eos` + `max_tokens=128` make vLLM's. The request path
+is the real one: `create_app` on its loop thread, the real `openai.AsyncOpenAI` through the in-process
+client (what `model.openai_client()` returns), tic-tac-toe prompts through the SmolLM2 tokenizer. The
+process holds torch, transformers and peft, as a registered model's does.
+
+Three modes per batch size, interleaved repeat by repeat (median of >= 3 with the spread, per-round
+ratios): `engine_direct` (B requests to the engine, no HTTP), `endpoint` (B `chat.completions.create`
+calls, heap frozen after set-up, as LocalBackend does after register), `endpoint_unfrozen` (the same
+with the heap given back to the collector for the run: art_nb before the freeze). Each run records
+steps, the time before the first and after the last step, when requests reached the engine, and the
+collector's passes (count and seconds, the oldest generation apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, MIN_REPEATS, Results, head_to_head, tokenizer_dir  # noqa: E402
+from endpoint_per_request import TOKENS, Bench, InstantEngine, call, conversations  # noqa: E402
+
+MODES = ("engine_direct", "endpoint", "endpoint_unfrozen")
+
+
+class _Finished:
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.finished = request_id, True
+
+
+class SteppedCore:
+    """vLLM's LLMEngine as VLLMThread sees it: add_request, then step() until each request has 128 tokens."""
+
+    def __init__(self, python_s: float, gpu_s: float) -> None:
+        self.python_s, self.gpu_s = python_s, gpu_s
+        self.open: dict[str, int] = {}
+        self.spans: list[tuple[float, float]] = []
+        self.adds: list[float] = []
+
+    def add_request(self, request_id: str) -> None:
+        self.adds.append(time.perf_counter())
+        self.open[request_id] = 0
+
+    def step(self) -> list[_Finished]:
+        start = time.perf_counter()
+        while time.perf_counter() - start < self.python_s / 2:  # schedule and prepare: Python, GIL held
+            pass
+        time.sleep(self.gpu_s)  # the GPU: GIL released
+        middle = time.perf_counter()
+        while time.perf_counter() - middle < self.python_s / 2:  # sample and build outputs
+            pass
+        done = []
+        for request_id in list(self.open):
+            self.open[request_id] += 1
+            if self.open[request_id] >= TOKENS:
+                del self.open[request_id]
+                done.append(_Finished(request_id))
+        self.spans.append((start, time.perf_counter()))
+        return done
+
+
+class SteppedEngine(InstantEngine):
+    """The endpoint's Engine protocol over `SteppedCore`, driven by art_nb's own VLLMThread."""
+
+    core: SteppedCore
+
+    def __init__(self, tokenizer: Any) -> None:
+        from art_nb.local.engines.vllm.thread import VLLMThread
+
+        super().__init__(tokenizer)
+        self.core = SteppedCore(_TIMING["python_s"], _TIMING["gpu_s"])
+        self.thread = VLLMThread()
+        self.thread.attach(self.core.step, lambda: None, lambda exc: None)
+        self.ids_made = 0
+
+    async def generate(self, request: Any) -> list[Any]:
+        from art_nb.local.engines.base import Sample
+
+        self.ids_made += 1
+        request_id = f"wave-{self.ids_made}"
+        done = asyncio.get_running_loop().create_future()
+        self.thread.add(request_id, lambda: self.core.add_request(request_id), done)
+        await done
+        return [Sample(self.ids[:TOKENS], self.logprobs[:TOKENS], "length")]
+
+
+_TIMING: dict[str, float] = {}
+_ENGINES: list[SteppedEngine] = []
+
+
+class _Collector:
+    """The garbage collector's passes while armed: (generation, seconds)."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float]] = []
+        self.armed, self._start = False, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.armed:
+            self.passes.append((info["generation"], time.perf_counter() - self._start))
+
+
+async def one_run(bench: Bench, client: Any, engine: SteppedEngine, collector: _Collector, mode: str,
+                  batch: int, seed: int) -> dict[str, Any]:
+    from art_nb.local.engines.base import GenerationRequest, SamplingParams
+
+    prompts = conversations(batch, seed)
+    core = engine.core
+    if mode == "endpoint_unfrozen":
+        gc.unfreeze()
+    core.spans, core.adds, collector.passes, collector.armed = [], [], [], True
+    mark = time.perf_counter()
+    try:
+        if mode == "engine_direct":
+            async def direct() -> list[Any]:
+                params = SamplingParams(max_tokens=TOKENS)
+                return await asyncio.gather(*(engine.generate(GenerationRequest([1, 2, 3], params)) for _ in prompts))
+
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(direct(), bench.loop.loop))
+        else:
+            tokens = await asyncio.gather(*(call(client, "plain", m) for m in prompts))
+            assert all(t == TOKENS for t in tokens)
+        done = time.perf_counter()
+    finally:
+        collector.armed = False
+        if mode == "endpoint_unfrozen":
+            gc.freeze()
+    oldest = [s for g, s in collector.passes if g == 2]
+    return {"wall_s": round(done - mark, 4), "steps": len(core.spans), "lead_s": round(core.spans[0][0] - mark, 4),
+            "tail_s": round(done - core.spans[-1][1], 4), "last_add_s": round(core.adds[-1] - mark, 4),
+            "gc_passes": len(collector.passes), "gc_s": round(sum(s for _, s in collector.passes), 4),
+            "gc2_passes": len(oldest), "gc2_s": round(sum(oldest), 4)}
+
+
+async def measure(args: argparse.Namespace, results: Results) -> None:
+    import peft  # noqa: F401 - what a registered model's process holds beside the endpoint
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    bench = Bench(args.model or tokenizer_dir())
+    engine = _ENGINES[0]
+    client = bench.client()
+    collector = _Collector()
+    for batch in args.batch_sizes:  # warm-up: template compilation, connections, per-size caches
+        await asyncio.gather(*(call(client, "plain", m) for m in conversations(batch, seed=999)))
+    gc.collect()
+    gc.freeze()  # as LocalBackend does after register
+    results.data["frozen_objects"] = gc.get_freeze_count()
+    for batch in args.batch_sizes:
+        with results.section(f"B{batch}") as entry:
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+            for repeat in range(args.repeats):
+                shift = repeat % len(MODES)
+                for mode in MODES[shift:] + MODES[:shift]:
+                    runs[mode].append(await one_run(bench, client, engine, collector, mode, batch,
+                                                    seed=100 * batch + repeat))
+            entry["runs"] = runs
+            entry["head_to_head"] = head_to_head({m: [r["wall_s"] for r in runs[m]] for m in MODES}, unit="s per wave")
+            medians = {m: statistics.median(r["wall_s"] for r in runs[m]) for m in MODES}
+            entry["gc2_s_total"] = {m: round(sum(r["gc2_s"] for r in runs[m]), 4) for m in MODES}
+            entry["summary"] = (f"engine_direct / endpoint {medians['engine_direct'] / medians['endpoint']:.3f}, "
+                                f"engine_direct / endpoint_unfrozen {medians['engine_direct'] / medians['endpoint_unfrozen']:.3f}; "
+                                f"oldest-generation GC seconds over {args.repeats} waves: {entry['gc2_s_total']}")
+    await client.close()
+    bench.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gpu-ms", type=float, default=6.0, help="a decode step's GPU time (GIL released)")
+    parser.add_argument("--python-ms", type=float, default=0.8, help="a decode step's Python (GIL held)")
+    parser.add_argument("--model", type=Path, default=None, help="a folder with the tokenizer (default: SmolLM2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "endpoint_wave_cpu.json")
+    args = parser.parse_args()
+    if args.repeats < MIN_REPEATS:
+        parser.error(f"--repeats must be at least {MIN_REPEATS}")
+    _TIMING.update(gpu_s=args.gpu_ms / 1000, python_s=args.python_ms / 1000)
+
+    import endpoint_per_request
+
+    class Made(SteppedEngine):
+        def __init__(self, tokenizer: Any) -> None:
+            super().__init__(tokenizer)
+            _ENGINES.append(self)
+
+    endpoint_per_request.InstantEngine = Made  # the Bench builds its engine by this name
+    results = Results(args.out, benchmark="endpoint_wave_cpu", command=" ".join(["python", *sys.argv]),
+                      settings={"batch_sizes": args.batch_sizes, "repeats": args.repeats, "gpu_ms": args.gpu_ms,
+                                "python_ms": args.python_ms, "tokens": TOKENS, "modes": list(MODES)})
+    asyncio.run(measure(args, results))
+
+
+if __name__ == "__main__":
+    main()
