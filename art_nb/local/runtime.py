@@ -215,6 +215,7 @@ class Runtime:
             with planned_memory(self.snapshots.get(key)):
                 engine = await _create_engine(state.plan, Path(key[0]), state.config)
             from .plan.choices import pipeline_choice
+            from .plan.rates import parameter_count
             from .server.templates import apply_prompt_config
 
             apply_prompt_config(engine.tokenizer, None, state.config, state.model_name)
@@ -224,7 +225,8 @@ class Runtime:
                     other.engine = engine
                     other.loaded_adapters.clear()  # the others load theirs on their next request
             state.choices["engine_restart"] = f"the previous engine died ({reason}); a new one was started"
-            state.choices["pipeline"] = pipeline_choice(state.plan, engine.serves_while_training)
+            state.choices["pipeline"] = pipeline_choice(state.plan, engine.serves_while_training,
+                                                        parameter_count(state.base_model))
             if state.step > 0:
                 await engine.load_adapter(state.adapter_name(state.step), state.store.checkpoint_dir(state.step))
                 state.loaded_adapters.add(state.step)
@@ -232,6 +234,7 @@ class Runtime:
     async def _load(self, model: TrainableModelRef, clock: PhaseClock) -> ModelState:
         from .plan.base_models import resolve_base_model
         from .plan.choices import engine_fallback, pipeline_choice, plan_for
+        from .plan.rates import parameter_count
 
         store = ModelStore(self.path, model.project, model.name)
         store.acquire_writer()  # before anything is read: another writer would make what we read stale
@@ -264,7 +267,8 @@ class Runtime:
             from .server.templates import apply_prompt_config
 
             choices.update(apply_prompt_config(engine.tokenizer, trainer.tokenizer, model.backend_config, model.name))
-            choices["pipeline"] = pipeline_choice(plan, engine.serves_while_training)
+            size = parameter_count(model.base_model) or await asyncio.to_thread(parameter_count, str(resolved.path))
+            choices["pipeline"] = pipeline_choice(plan, engine.serves_while_training, size)
             state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine,
                                trainer, await self._start_from(store, model.base_model, trainer, clock, choices), choices)
             if state.step > 0:

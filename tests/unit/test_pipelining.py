@@ -293,6 +293,19 @@ def test_the_plan_pipelines_only_where_the_engine_serves_through_a_step_on_a_gpu
         assert plan_says({"pipeline": pipeline_choice(gpu, serves)})[0] is serves
 
 
+def test_the_plan_leaves_small_models_unpipelined_on_a_gpu_as_measured() -> None:
+    """On an H200 a 135M model's pipelined step was slower, a 3B model's faster: the size decides."""
+    from art_nb.local.plan.choices import Plan, pipeline_choice
+
+    gpu = Plan("cuda", "bfloat16", "vllm", "unsloth", False, None, (9, 0))
+    small = pipeline_choice(gpu, True, parameters=135_000_000)
+    assert small.startswith("off: a 135M-parameter model") and "enabled=True" in small and "3.40 s" in small
+    assert plan_says({"pipeline": small})[0] is False
+    large = pipeline_choice(gpu, True, parameters=3_100_000_000)
+    assert large.startswith("on: vLLM stays awake") and "1.09x" in large
+    assert pipeline_choice(gpu, False, parameters=3_100_000_000).startswith("off: vLLM sleeps")
+
+
 def test_the_demo_takes_the_pipeline_switch() -> None:
     import argparse
 

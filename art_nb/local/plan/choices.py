@@ -112,10 +112,11 @@ def engine_fallback(plan: Plan, config: ModelConfig, error: BaseException) -> Pl
     return replace(plan, engine="hf", reasons={**plan.reasons, "engine": why})
 
 
-def pipeline_choice(plan: Plan, serves_while_training: bool) -> str:
+def pipeline_choice(plan: Plan, serves_while_training: bool, parameters: int | None = None) -> str:
     """Whether `art_nb.pipeline(enabled="auto")` runs step N+1's rollouts while step N trains, and why:
-    "on: ..." or "off: ...". On only where the engine keeps serving through a step on a GPU; forced
-    on (enabled=True) it works everywhere, the rollouts waiting where the engine pauses."""
+    "on: ..." or "off: ...". On where the engine keeps serving through a step on a GPU and the model
+    is large enough for the overlap to pay (`parameters`: the base model's count, None when unknown);
+    forced on (enabled=True) it works everywhere, the rollouts waiting where the engine pauses."""
     if plan.device != "cuda":
         return (f"off: CPU: rollouts and training share its cores; pipelined, {_PIPELINE_ON_CPU}, one step "
                 "off-policy, and what that lag costs a short CPU run's learning is not measured yet, so it is "
@@ -124,8 +125,13 @@ def pipeline_choice(plan: Plan, serves_while_training: bool) -> str:
         what = "vLLM sleeps" if plan.engine == "vllm" else "the transformers engine moves its weights off the GPU"
         return (f"off: {what} while training (the memory reasons say why), so the next step's rollouts "
                 "would only wait for the step")
+    if parameters is not None and parameters < _PIPELINE_MIN_PARAMETERS:
+        return (f"off: a {parameters / 1e6:.0f}M-parameter model trains and decodes in short kernels whose launches "
+                f"are Python, which the two share in this process: {_PIPELINE_SMALL}; turn it on with "
+                "art.pipeline(..., enabled=True)")
     return ("on: vLLM stays awake while training (the memory plan fits training beside it), so the next "
-            "step's rollouts run during the step, sampled from the adapter before it (one step off-policy)")
+            f"step's rollouts run during the step, sampled from the adapter before it (one step off-policy): "
+            f"{_PIPELINE_LARGE}")
 
 
 # bench/cpu_pipeline.py on a shared 2-core machine (SmolLM2, tic-tac-toe, 3 interleaved rounds): the trainer
@@ -133,6 +139,13 @@ def pipeline_choice(plan: Plan, serves_while_training: bool) -> str:
 # beside the rollouts (its time/train in the file), but no step waits for its games any more.
 _PIPELINE_ON_CPU = ("a step took 21 s instead of 33 s on 2 cores (1.58x the steps per hour, 1.11-1.58x in each of 3 "
                     "rounds; bench/results/cpu_pipeline.json)")
+# On an H200 both sides of a pipelined step slowed beside each other (training about 2x, rollouts 1.5-1.9x): a
+# 3B model still gained, a 135M one lost. Between the two sizes it is not measured; 1B splits them.
+_PIPELINE_MIN_PARAMETERS = 1_000_000_000
+_PIPELINE_SMALL = ("on an H200, SmolLM2-135M's tic-tac-toe step took 3.40 s pipelined vs 2.88 s (median of 11; "
+                   "bench/results/h200/pipeline_curves)")
+_PIPELINE_LARGE = ("on an H200 a 3B model's GRPO step took 2.54 s vs 2.77 s (1.09x, median of 3 interleaved rounds; "
+                   "bench/results/h200/gpu_step.json)")
 
 
 def _trainer(config: ModelConfig, hw: Hardware) -> tuple[str, str]:
