@@ -158,10 +158,10 @@ def test_the_latest_h200_runs_are_the_ones_in_the_table() -> None:
     assert "register 52.4 s" in rows["gpu_startup"]["result"]
     assert "peak device use 11.52 GiB" in rows["gpu_memory_fit"]["result"]
     assert "4.56 s/step" in rows["gpu_t4_vs_unsloth"]["result"] and "4.21 s/step" in rows["gpu_t4_vs_unsloth"]["result"]
-    assert "step 2.99 s" in rows["gpu_step"]["result"] and "swap 0.054" in rows["gpu_step"]["result"]
+    assert "TRL / art_sync = 1.26x" in rows["gpu_step"]["result"] and "TRL / art_pipelined = 1.38x" in rows["gpu_step"]["result"]
 
 
 def test_make_table_prints_one_line_from_the_command_line() -> None:
     done = subprocess.run([sys.executable, str(BENCH / "make_table.py"), "--one-line",
                            str(BENCH / "results" / "h200" / "gpu_step.json")], capture_output=True, text=True, check=True)
-    assert done.stdout.startswith("gpu_step: model ok, art ok, trl ok; TRL step / art_nb step = 1.07")
+    assert done.stdout.startswith("gpu_step: model ok, art ok, trl ok, art_pipelined ok; TRL / art_sync = 1.26x")
