@@ -226,7 +226,7 @@ class Runtime:
                     other.loaded_adapters.clear()  # the others load theirs on their next request
             state.choices["engine_restart"] = f"the previous engine died ({reason}); a new one was started"
             state.choices["pipeline"] = pipeline_choice(state.plan, engine.serves_while_training,
-                                                        parameter_count(state.base_model))
+                                                        parameter_count(state.base_model, key[0]))
             if state.step > 0:
                 await engine.load_adapter(state.adapter_name(state.step), state.store.checkpoint_dir(state.step))
                 state.loaded_adapters.add(state.step)
@@ -267,7 +267,7 @@ class Runtime:
             from .server.templates import apply_prompt_config
 
             choices.update(apply_prompt_config(engine.tokenizer, trainer.tokenizer, model.backend_config, model.name))
-            size = parameter_count(model.base_model) or await asyncio.to_thread(parameter_count, str(resolved.path))
+            size = await asyncio.to_thread(parameter_count, model.base_model, resolved.path)
             choices["pipeline"] = pipeline_choice(plan, engine.serves_while_training, size)
             state = ModelState(model.name, model.project, model.base_model, model.backend_config, plan, store, engine,
                                trainer, await self._start_from(store, model.base_model, trainer, clock, choices), choices)

@@ -179,6 +179,9 @@ def test_parameter_count_of_a_local_directory_reads_its_weights(tmp_path):
     save_file({"a": torch.zeros(10, 20), "b": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
     assert parameter_count(str(tmp_path)) == 205
     assert learning_rate_for_size(205, short_run=False)[0] == 2e-4
+    # a hub id without its size in the name is read from where it was downloaded; the name wins when it says
+    assert parameter_count("microsoft/phi-4", local_copy=tmp_path) == 205
+    assert parameter_count("Qwen/Qwen2.5-0.5B-Instruct", local_copy=tmp_path) == 500_000_000
 
 
 def test_an_unknown_size_gets_the_large_models_rate_and_says_so():

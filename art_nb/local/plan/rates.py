@@ -37,16 +37,17 @@ _SHORT_RUN_SMALL = (5e-4, ("with 24 games a step, LoRA on a 135M model learns le
 _SIZE_IN_NAME = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([mb])(?![a-z])", re.IGNORECASE)
 
 
-def parameter_count(base_model: str) -> int | None:
+def parameter_count(base_model: str, local_copy: str | os.PathLike[str] | None = None) -> int | None:
     """Parameters of `base_model`: read from a local directory's safetensors headers, else from the
-    size in its name ("SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B"); None when neither says."""
+    size in its name ("SmolLM2-135M", "Qwen2.5-0.5B", "Llama-3.2-1B"), else from the headers of
+    `local_copy` (where a hub id was downloaded to); None when none says."""
     path = os.path.expanduser(base_model)
     if os.path.isdir(path):
         return count_parameters(path) or None
     found = _SIZE_IN_NAME.search(base_model.rsplit("/", 1)[-1].replace("_", "-"))
-    if found is None:
-        return None
-    return int(float(found.group(1)) * (1e6 if found.group(2).lower() == "m" else 1e9))
+    if found is not None:
+        return int(float(found.group(1)) * (1e6 if found.group(2).lower() == "m" else 1e9))
+    return (count_parameters(local_copy) or None) if local_copy is not None else None
 
 
 def learning_rate_for_size(parameters: int | None, short_run: bool) -> tuple[float, str]:
