@@ -13,6 +13,7 @@ shape) with the SmolLM2 tokenizer, built once on the machine that runs the bench
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import json
 import math
@@ -286,6 +287,33 @@ class Results:
             self.save()
             print(f"[{name}] {entry.get('status')}: {entry.get('summary') or entry.get('error', '')}"
                   f" ({entry['section_s']} s)", flush=True)
+
+
+class GcPasses:
+    """The garbage collector's passes while armed: how many and how long, the oldest generation apart.
+
+    An oldest-generation pass scans every tracked object and stops every thread while it runs (the
+    engine's too), so a rollout benchmark counts them beside its timings."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, float]] = []  # (generation, seconds)
+        self.armed, self._start = False, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.armed:
+            self.passes.append((info["generation"], time.perf_counter() - self._start))
+
+    def begin(self) -> None:
+        self.passes, self.armed = [], True
+
+    def end(self) -> dict[str, Any]:
+        self.armed = False
+        oldest = [seconds for generation, seconds in self.passes if generation == 2]
+        return {"gc_passes": len(self.passes), "gc_s": round(sum(seconds for _, seconds in self.passes), 6),
+                "gc2_count": len(oldest), "gc2_s": round(sum(oldest), 6)}
 
 
 # ---- models ------------------------------------------------------------------------------------------

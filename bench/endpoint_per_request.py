@@ -37,6 +37,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,9 @@ async def one_run(client: Any, kind: str, concurrency: int, prompts: list[list[d
 class Bench:
     """The server on its own loop thread, the client on this thread's loop."""
 
-    def __init__(self, model: Path, transport: str = "inprocess") -> None:
+    def __init__(self, model: Path, transport: str = "inprocess",
+                 make_engine: Callable[[Any], Any] = InstantEngine) -> None:
+        """`make_engine(tokenizer)`: the engine the endpoint serves (one that answers at once by default)."""
         from transformers import AutoTokenizer
 
         self.transport = transport
@@ -167,11 +170,12 @@ class Bench:
         from art_nb.local.server import InferenceGate, create_app, start_server
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.engine = make_engine(self.tokenizer)
         self.loop = BackgroundLoop("bench-server")
         self.key = "bench-key-0123456789"
 
         async def serve() -> Any:
-            app = create_app(Registry(InstantEngine(self.tokenizer)), InferenceGate(), api_key=self.key)
+            app = create_app(Registry(self.engine), InferenceGate(), api_key=self.key)
             return await start_server(app)
 
         self.server = self.loop.run_sync(serve(), timeout=30)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, MIN_REPEATS, Results, head_to_head, tokenizer_dir  # noqa: E402
+from _common import MIN_REPEATS, ROOT, GcPasses, Results, head_to_head, tokenizer_dir  # noqa: E402
 from endpoint_per_request import TOKENS, Bench, InstantEngine, call, conversations  # noqa: E402
 
 MODES = ("engine_direct", "endpoint", "endpoint_unfrozen")
@@ -79,13 +79,11 @@ class SteppedCore:
 class SteppedEngine(InstantEngine):
     """The endpoint's Engine protocol over `SteppedCore`, driven by art_nb's own VLLMThread."""
 
-    core: SteppedCore
-
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, python_s: float, gpu_s: float) -> None:
         from art_nb.local.engines.vllm.thread import VLLMThread
 
         super().__init__(tokenizer)
-        self.core = SteppedCore(_TIMING["python_s"], _TIMING["gpu_s"])
+        self.core = SteppedCore(python_s, gpu_s)
         self.thread = VLLMThread()
         self.thread.attach(self.core.step, lambda: None, lambda exc: None)
         self.ids_made = 0
@@ -101,34 +99,16 @@ class SteppedEngine(InstantEngine):
         return [Sample(self.ids[:TOKENS], self.logprobs[:TOKENS], "length")]
 
 
-_TIMING: dict[str, float] = {}
-_ENGINES: list[SteppedEngine] = []
-
-
-class _Collector:
-    """The garbage collector's passes while armed: (generation, seconds)."""
-
-    def __init__(self) -> None:
-        self.passes: list[tuple[int, float]] = []
-        self.armed, self._start = False, 0.0
-        gc.callbacks.append(self._on)
-
-    def _on(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self.armed:
-            self.passes.append((info["generation"], time.perf_counter() - self._start))
-
-
-async def one_run(bench: Bench, client: Any, engine: SteppedEngine, collector: _Collector, mode: str,
-                  batch: int, seed: int) -> dict[str, Any]:
+async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch: int, seed: int) -> dict[str, Any]:
     from art_nb.local.engines.base import GenerationRequest, SamplingParams
 
     prompts = conversations(batch, seed)
+    engine = bench.engine
     core = engine.core
     if mode == "endpoint_unfrozen":
         gc.unfreeze()
-    core.spans, core.adds, collector.passes, collector.armed = [], [], [], True
+    core.spans, core.adds = [], []
+    passes.begin()
     mark = time.perf_counter()
     try:
         if mode == "engine_direct":
@@ -142,14 +122,11 @@ async def one_run(bench: Bench, client: Any, engine: SteppedEngine, collector: _
             assert all(t == TOKENS for t in tokens)
         done = time.perf_counter()
     finally:
-        collector.armed = False
+        collected = passes.end()
         if mode == "endpoint_unfrozen":
             gc.freeze()
-    oldest = [s for g, s in collector.passes if g == 2]
     return {"wall_s": round(done - mark, 4), "steps": len(core.spans), "lead_s": round(core.spans[0][0] - mark, 4),
-            "tail_s": round(done - core.spans[-1][1], 4), "last_add_s": round(core.adds[-1] - mark, 4),
-            "gc_passes": len(collector.passes), "gc_s": round(sum(s for _, s in collector.passes), 4),
-            "gc2_passes": len(oldest), "gc2_s": round(sum(oldest), 4)}
+            "tail_s": round(done - core.spans[-1][1], 4), "last_add_s": round(core.adds[-1] - mark, 4), **collected}
 
 
 async def measure(args: argparse.Namespace, results: Results) -> None:
@@ -157,10 +134,10 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    bench = Bench(args.model or tokenizer_dir())
-    engine = _ENGINES[0]
+    bench = Bench(args.model or tokenizer_dir(),
+                  make_engine=lambda tokenizer: SteppedEngine(tokenizer, args.python_ms / 1000, args.gpu_ms / 1000))
     client = bench.client()
-    collector = _Collector()
+    passes = GcPasses()
     for batch in args.batch_sizes:  # warm-up: template compilation, connections, per-size caches
         await asyncio.gather(*(call(client, "plain", m) for m in conversations(batch, seed=999)))
     gc.collect()
@@ -172,8 +149,7 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
             for repeat in range(args.repeats):
                 shift = repeat % len(MODES)
                 for mode in MODES[shift:] + MODES[:shift]:
-                    runs[mode].append(await one_run(bench, client, engine, collector, mode, batch,
-                                                    seed=100 * batch + repeat))
+                    runs[mode].append(await one_run(bench, client, passes, mode, batch, seed=100 * batch + repeat))
             entry["runs"] = runs
             entry["head_to_head"] = head_to_head({m: [r["wall_s"] for r in runs[m]] for m in MODES}, unit="s per wave")
             medians = {m: statistics.median(r["wall_s"] for r in runs[m]) for m in MODES}
@@ -196,16 +172,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < MIN_REPEATS:
         parser.error(f"--repeats must be at least {MIN_REPEATS}")
-    _TIMING.update(gpu_s=args.gpu_ms / 1000, python_s=args.python_ms / 1000)
-
-    import endpoint_per_request
-
-    class Made(SteppedEngine):
-        def __init__(self, tokenizer: Any) -> None:
-            super().__init__(tokenizer)
-            _ENGINES.append(self)
-
-    endpoint_per_request.InstantEngine = Made  # the Bench builds its engine by this name
     results = Results(args.out, benchmark="endpoint_wave_cpu", command=" ".join(["python", *sys.argv]),
                       settings={"batch_sizes": args.batch_sizes, "repeats": args.repeats, "gpu_ms": args.gpu_ms,
                                 "python_ms": args.python_ms, "tokens": TOKENS, "modes": list(MODES)})

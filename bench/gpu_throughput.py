@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     MIN_REPEATS,
     STARTUP_MODES,
+    GcPasses,
     Results,
     default_out_dir,
     describe_graphs,
@@ -175,7 +176,7 @@ class Deadline:
 
 STEP_KEYS = ("steps", "step_s_mean", "step_s_median", "step_s_max", "gap_s_mean", "gap_s_median", "gap_s_max",
              "in_step_share", "lead_s", "tail_s", "first_add_s", "half_added_s", "last_add_s", "added_before_step_1",
-             "gc_s", "gc2_s", "gc2_count")
+             "gc_passes", "gc_s", "gc2_s", "gc2_count")
 Run = tuple[float, int, "dict[str, Any] | None"]  # wall seconds, completion tokens, step statistics (vLLM)
 
 
@@ -192,10 +193,8 @@ class StepTimer:
     def __init__(self, engine: Any | None) -> None:
         self.spans: list[tuple[float, float]] = []
         self.adds: list[float] = []
-        self.collections: list[tuple[int, float]] = []  # (generation, seconds) of each GC pass while armed
+        self.gc = GcPasses()
         self._armed = False
-        self._gc_start = 0.0
-        gc.callbacks.append(self._on_gc)
         if engine is not None:
             step, add_request = engine.step, engine.add_request
 
@@ -217,14 +216,9 @@ class StepTimer:
 
             engine.step = timed_step
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._armed:
-            self.collections.append((info["generation"], time.perf_counter() - self._gc_start))
-
     def begin(self) -> float:
-        self.spans, self.adds, self.collections = [], [], []
+        self.spans, self.adds = [], []
+        self.gc.begin()
         self._armed = True
         return time.perf_counter()
 
@@ -232,12 +226,10 @@ class StepTimer:
         """(wall seconds since `mark`, step statistics of the run: None for an engine without steps)."""
         done = time.perf_counter()
         self._armed = False
+        passes = self.gc.end()
         if not self.spans:
             return done - mark, None
-        oldest = [seconds for generation, seconds in self.collections if generation == 2]
-        return done - mark, {**step_stats(self.spans, mark, done, self.adds),
-                             "gc_s": round(sum(seconds for _, seconds in self.collections), 6),
-                             "gc2_s": round(sum(oldest), 6), "gc2_count": len(oldest)}
+        return done - mark, {**step_stats(self.spans, mark, done, self.adds), **passes}
 
 
 def step_stats(spans: list[tuple[float, float]], mark: float, done: float,
