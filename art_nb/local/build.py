@@ -116,9 +116,13 @@ def _nothing() -> None:
 
 
 def _import_shared() -> None:
-    """Import accelerate before the trainer and vLLM import side by side. transformers 4.x's generation
-    module imports accelerate.hooks, which imports its own package, which imports hooks back: two
-    threads entering that cycle at once leave one with a half-imported module (vLLM 0.11.2 with
-    transformers 4.57.6: "cannot import name 'AlignDevicesHook'" in 2 of 3 runs, none once imported first)."""
-    if importlib.util.find_spec("accelerate") is not None:
-        importlib.import_module("accelerate")
+    """Import what the trainer and vLLM both import before they import side by side: two threads
+    entering an import cycle at once leave one with a half-imported module. transformers 4.x's
+    generation module imports accelerate.hooks, which imports its own package, which imports hooks
+    back (vLLM 0.11.2, transformers 4.57.6: "cannot import name 'AlignDevicesHook'" in 2 of 3 runs);
+    transformers 5's lazy top-level names import their modules on first use, from both threads (vLLM
+    0.32's CPU build, transformers 5.19: "cannot import name 'PreTrainedConfig'" in 1 of 4 registers).
+    None once these are imported first; the trainer imports them next anyway."""
+    for name in ("accelerate", "transformers.modeling_utils"):
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)

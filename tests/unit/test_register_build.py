@@ -160,3 +160,16 @@ def test_the_engine_is_planned_from_memory_read_before_the_trainer(events, monke
                                        create_trainer))
     assert seen == [(80, 141, 141, None)]
     assert snapshot == (80, 141, 141, None)  # kept for an engine that replaces this one (Runtime._replace_engine)
+
+
+def test_what_both_sides_import_is_imported_before_they_overlap() -> None:
+    """The trainer and vLLM import side by side; the modules both enter (accelerate, transformers' model
+    base) are imported first, in a fresh interpreter, so neither thread meets the other half-imported."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    code = ("import sys; from art_nb.local.build import _import_shared; _import_shared(); "
+            "print('transformers.modeling_utils' in sys.modules, 'transformers.configuration_utils' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.split() == ["True", "True"]
