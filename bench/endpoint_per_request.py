@@ -222,6 +222,45 @@ async def measure(bench: Bench, kinds: list[str], concurrencies: list[int], requ
     return out
 
 
+async def client_alone(requests: int, repeats: int, concurrency: int) -> dict[str, Any]:
+    """The openai client's own CPU per request, with no server behind it: a transport that answers every
+    request at once with a completion of the endpoint's shape (128 token ids, the prompt's ids). What is
+    left of `client_cpu_us` above is the hop to the app and back."""
+    import openai
+
+    from art_nb.local.server.inprocess import _httpx_of_openai
+
+    httpx = _httpx_of_openai()
+    body = json.dumps({"id": "c", "object": "chat.completion", "created": 1, "model": "agent",
+                       "choices": [{"index": 0, "finish_reason": "length", "token_ids": list(range(TOKENS)),
+                                    "message": {"role": "assistant", "content": REPLY * 2}}],
+                       "usage": {"prompt_tokens": 300, "completion_tokens": TOKENS, "total_tokens": 300 + TOKENS},
+                       "prompt_token_ids": list(range(300))}).encode()
+
+    class AtOnce(httpx.AsyncBaseTransport):  # type: ignore[misc,name-defined]
+        async def handle_async_request(self, request: Any) -> Any:
+            await request.aread()
+            return httpx.Response(200, headers=[(b"content-type", b"application/json")], content=body, request=request)
+
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k", max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(transport=AtOnce()))
+    await asyncio.gather(*(call(client, "plain", m) for m in conversations(64, seed=999)))
+    runs = []
+    for repeat in range(repeats):
+        prompts, gate = conversations(requests, seed=77 + repeat), asyncio.Semaphore(concurrency)
+
+        async def one(messages: list[dict[str, str]]) -> int:
+            async with gate:
+                return await call(client, "plain", messages)
+
+        start = thread_cpu(threading.get_ident())
+        await asyncio.gather(*(one(m) for m in prompts))
+        runs.append((thread_cpu(threading.get_ident()) - start) / requests * 1e6)
+    await client.close()
+    return {"kind": "plain", "concurrency": concurrency, "client_cpu_us_runs": [round(r, 1) for r in runs],
+            "median_client_cpu_us": round(statistics.median(runs), 1)}
+
+
 async def profile(bench: Bench, kind: str, concurrency: int, requests: int) -> str:
     client = bench.client()
     await asyncio.gather(*(call(client, kind, m) for m in conversations(64, seed=999)))
@@ -292,6 +331,9 @@ def main() -> None:
         with results.section(args.label) as entry:
             entry.update(asyncio.run(measure(bench, args.kinds, args.concurrency, args.requests, args.repeats)))
             entry["summary"] = "see the table"
+        with results.section("openai_client_alone") as entry:
+            entry.update(asyncio.run(client_alone(args.requests, args.repeats, max(args.concurrency))))
+            entry["summary"] = f"{entry['median_client_cpu_us']:.0f} us of client CPU per request with no server"
         if args.baseline is not None:
             before = json.loads(args.baseline.read_text())
             results.data["baseline"] = before
