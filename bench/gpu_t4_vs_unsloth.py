@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--art-engine", choices=("vllm", "hf"), default="vllm",
                         help="art_nb's engine: vLLM (a T4 with the T4 set) or transformers (a T4 without vLLM)")
+    parser.add_argument("--art-startup", choices=("fast", "compiled", "eager"), default="fast",
+                        help="how art_nb's vLLM starts (ModelConfig.vllm_startup): Unsloth's own engine compiles")
     parser.add_argument("--deadline-s", type=float, default=420, help="end within this long (sides cut short)")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--stop-by", type=float, default=math.inf, help=argparse.SUPPRESS)  # a time.time()
@@ -281,12 +283,12 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 
     engine = args.art_engine if on_gpu else "hf"
     if engine == "vllm":
-        os.environ.update(startup_env("fast"))
+        os.environ.update(startup_env(args.art_startup))
     config = art.ModelConfig(engine=engine, trainer="unsloth" if on_gpu else "peft", dtype="float16" if on_gpu else "auto",
                              load_in_4bit=on_gpu, max_seq_len=args.max_seq_len,
                              lora=art.LoraConfig(rank=args.rank, alpha=float(args.rank),
                                                  target_modules=tuple(RECIPE["target_modules"])),
-                             max_batch_size=args.generations, **(startup_fields("fast") if engine == "vllm" else {}))
+                             max_batch_size=args.generations, **(startup_fields(args.art_startup) if engine == "vllm" else {}))
     result["config"] = config.model_dump(mode="json")
     model = art.TrainableModel(name="t4", project="bench", base_model=str(args.model), config=config)
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
@@ -386,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
                       settings={"cap_gib": args.cap_gib, "steps": args.steps, "completion_tokens": args.tokens,
                                 "generations": args.generations, "lora_rank": args.rank, "quick": args.quick,
                                 "max_seq_len": args.max_seq_len, "dtype": "float16", "base": "4-bit (NF4)",
-                                "art_engine": args.art_engine,
+                                "art_engine": args.art_engine, "art_vllm_startup": args.art_startup,
                                 "not_a_t4": "an H200 under a 15 GiB cap: same memory, far more bandwidth and compute"})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
@@ -403,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             own_stop = time.time() + left * share if not args.quick else stop_by
             argv = ["--out", str(args.out), "--model", str(model_dir), "--cap-gib", str(args.cap_gib), "--steps",
                     str(args.steps), "--tokens", str(args.tokens), "--stop-by", str(own_stop - 10),
-                    "--art-engine", args.art_engine]
+                    "--art-engine", args.art_engine, "--art-startup", args.art_startup]
             entry.update(run_part(Path(__file__), part, argv + (["--quick"] if args.quick else []), args.out,
                                   timeout_s=1800 if args.quick else max(own_stop - time.time() + 30, 60)))
             if "error" in entry:
