@@ -84,6 +84,7 @@ RECIPE: dict[str, Any] = {
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 PART_BUDGET_S = {"unsloth": 290, "art": 190}  # H200, 5 steps: start-up, compile, steps
+GENERATE_S: list[float] = []  # seconds of each `vllm.LLM.generate` call on Unsloth's side
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,6 +175,13 @@ def show_unsloth_a_capped_gpu(cap_gib: float) -> dict[str, Any]:
             seen["vllm_kwargs"] = {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool, type(None)))}
             super().__init__(*args, **kwargs)
 
+        def generate(self, *args: Any, **kwargs: Any) -> Any:  # timed: how a step splits into decoding and the rest
+            mark = time.perf_counter()
+            try:
+                return super().generate(*args, **kwargs)
+            finally:
+                GENERATE_S.append(time.perf_counter() - mark)
+
     vllm.LLM = CappedLLM  # Unsloth imports it from the package when it builds the engine
     return seen
 
@@ -217,6 +225,8 @@ def unsloth_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     write(result)
 
     walls: list[float] = []
+    generated: list[float] = []
+    result["generate_s_per_step"] = generated  # vLLM's generate inside each step (the rest: logprobs, training)
 
     class StepClock(TrainerCallback):
         began = 0.0
@@ -226,6 +236,8 @@ def unsloth_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 
         def on_step_end(self, _args: Any, state: Any, control: Any, **__: Any) -> None:
             walls.append(time.perf_counter() - self.began)
+            generated.append(round(sum(GENERATE_S), 3))
+            GENERATE_S.clear()
             print(f"Unsloth step {len(walls)}: {walls[-1]:.2f} s", flush=True)
             if time.time() + 1.5 * max(walls[1:] or walls) > args.stop_by:
                 control.should_training_stop = True
