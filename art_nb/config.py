@@ -129,7 +129,8 @@ class ModelConfig(BaseModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, lt=1, description="vLLM's share; None = auto")
     vllm_startup: Literal["fast", "compiled", "eager"] | None = Field(
         None, description="how vLLM starts on a GPU: 'fast' (no torch.compile, CUDA graphs for decoding only), "
-        "'compiled' (vLLM's default: slowest start, fastest decoding), 'eager' (no graphs); None: art_nb's "
+        "'compiled' (vLLM's default, torch.compile: slowest start; 'fast' on vLLM 0.19-0.31, which cannot compile a "
+        "LoRA model), 'eager' (no graphs); None: art_nb's "
         "default, now 'fast'. The environment variable ART_NB_VLLM_STARTUP overrides it")
     vllm_4bit: bool | None = Field(
         None, description="vLLM serves the base model in 4-bit NF4 (bitsandbytes, quantised as it loads): a 3B "

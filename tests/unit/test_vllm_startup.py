@@ -19,6 +19,7 @@ def _no_env(monkeypatch):
     monkeypatch.delenv("ART_NB_VLLM_STARTUP", raising=False)
     monkeypatch.delenv("ART_NB_VLLM_ENFORCE_EAGER", raising=False)
     monkeypatch.setattr(startup, "_compilation_fields", lambda: None)  # no vLLM here: keys unchecked
+    monkeypatch.setattr(startup, "installed_version", lambda package: None)
 
 
 def test_the_mode_comes_from_the_caller_then_the_env_then_the_config(monkeypatch):
@@ -34,6 +35,19 @@ def test_the_mode_comes_from_the_caller_then_the_env_then_the_config(monkeypatch
     monkeypatch.setenv("ART_NB_VLLM_STARTUP", "quick")
     with pytest.raises(ValueError, match="expected one of fast, compiled, eager"):
         startup_mode(ModelConfig())
+
+
+@pytest.mark.parametrize(("version", "compiles"), [("0.11.2", True), ("0.19.0", False), ("0.25.0+cu130", False),
+                                                    ("0.31.1", False), ("0.32.0+cpu", True)])
+def test_compiled_is_fast_where_vllm_cannot_compile_a_lora_model(monkeypatch, version, compiles):
+    monkeypatch.setattr(startup, "installed_version", lambda package: version)
+    mode, why = startup_mode(ModelConfig(vllm_startup="compiled"))
+    assert mode == ("compiled" if compiles else "fast")
+    if not compiles:
+        assert why.startswith("compiled asked (set in ModelConfig.vllm_startup), but vLLM ") and version in why
+    monkeypatch.setenv("ART_NB_VLLM_STARTUP", "compiled")  # the benchmarks' switch too
+    assert startup_mode(ModelConfig())[0] == mode
+    assert startup_mode(ModelConfig(vllm_startup="eager"), enforce_eager=True)[0] == "eager"
 
 
 def test_capture_sizes_are_a_short_list_within_the_step():

@@ -9,7 +9,8 @@ prefill. Hence three modes (`ModelConfig.vllm_startup`, or ART_NB_VLLM_STARTUP f
 - "fast" (the default): no torch.compile; full CUDA graphs for decode batches only, at a short list
   of batch sizes, LoRA-active graphs only. Decoding runs graph-replayed; prefill runs eager.
 - "compiled": vLLM's default path (torch.compile, FULL_AND_PIECEWISE graphs), with the same short
-  size list and LoRA-active graphs only: the fastest decoding, the slowest start.
+  size list and LoRA-active graphs only: the slowest start. vLLM 0.19 up to 0.32 cannot compile a
+  model with LoRA enabled; there it is "fast", with the reason.
 - "eager": `enforce_eager`, no compile and no graphs (the old ART_NB_VLLM_ENFORCE_EAGER=1).
 
 On vLLM's CPU build only "eager" changes anything (the rest is vLLM's own CPU choice). vLLM's
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from art_nb.config import ModelConfig
+from art_nb.local.plan.versions import installed_version, parse_version
 
 __all__ = ["STARTUP_ENV", "StartupMode", "capture_sizes", "import_vllm", "startup_kwargs", "startup_mode"]
 
@@ -45,7 +47,15 @@ _SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 def startup_mode(config: ModelConfig, enforce_eager: bool | None = None) -> tuple[StartupMode, str]:
     """The mode and why: `enforce_eager=True` (a caller's order), then ART_NB_VLLM_STARTUP, then
-    ART_NB_VLLM_ENFORCE_EAGER=1 (unless `enforce_eager=False`), then `ModelConfig.vllm_startup`."""
+    ART_NB_VLLM_ENFORCE_EAGER=1 (unless `enforce_eager=False`), then `ModelConfig.vllm_startup`;
+    "compiled" becomes "fast" where the installed vLLM cannot compile a LoRA model (`_compile_fails_with_lora`)."""
+    mode, why = _asked_mode(config, enforce_eager)
+    if mode == "compiled" and (broken := _compile_fails_with_lora()):
+        return "fast", f"compiled asked ({why}), but {broken}: fast instead"
+    return mode, why
+
+
+def _asked_mode(config: ModelConfig, enforce_eager: bool | None) -> tuple[StartupMode, str]:
     if enforce_eager:
         return "eager", "enforce_eager asked by the caller (no compile, no CUDA graphs)"
     env = os.environ.get(STARTUP_ENV, "").strip().lower()
@@ -59,6 +69,21 @@ def startup_mode(config: ModelConfig, enforce_eager: bool | None = None) -> tupl
         return config.vllm_startup, "set in ModelConfig.vllm_startup"
     return _DEFAULT, ("art_nb's default: no torch.compile, CUDA graphs for decoding only (starts ~1 min "
                       "sooner than vLLM's compiled default; prefill runs eager)")
+
+
+def _compile_fails_with_lora() -> str | None:
+    """Why the installed vLLM's torch.compile cannot start with LoRA enabled (art_nb always enables it), or None.
+
+    vLLM 0.19 added a pass that rewrites `x.size()` nodes before splitting the compiled graph; it
+    misses a size nested in a tuple, which its own LoRA kernels' buffers have
+    (`torch.empty((n, x.size(0), r))`), and start-up fails with "Tried to erase Node size_2 but it
+    still had 1 users" (vLLM 0.25 on the H200, a 3B model with a rank-64 LoRA). vLLM 0.32's pass leaves
+    `x.size(dim)` alone; the releases between are not known to be fixed.
+    """
+    version = installed_version("vllm")
+    if version is None or not (0, 19) <= parse_version(version)[:2] < (0, 32):
+        return None
+    return f"vLLM {version}'s torch.compile fails on a LoRA model (its size-rewriting pass; fixed by 0.32)"
 
 
 def import_vllm() -> None:
