@@ -17,6 +17,11 @@ Same GPU, same cap, same model, same work per step, in one run, each side in its
   the T4 set installed (vLLM 0.11.2, the release Unsloth's notebooks install on a T4); on the H200 it is
   the staged vLLM 0.25, as for Unsloth's side, serving NF4 weights beside the 4-bit trainer and planning
   its share within the cap. `hf` is the transformers engine (a T4 without vLLM).
+- `art_settled`, `art_compiled` (not run by default): art_nb's side with one thing changed, to find where
+  its gap to Unsloth comes from: the rollouts wait for the previous step's checkpoint instead of decoding
+  while it is written; vLLM compiled with torch.compile (FULL_AND_PIECEWISE graphs, as Unsloth's engine),
+  its size pass repaired on vLLM 0.19-0.31 (`vllm_size_pass.py`). Unsloth's side records the seconds in
+  vLLM's `generate` per step, so both sides' steps split into decoding and the rest.
 
 Equal work: the same prompt per step (tic-tac-toe first turns), 8 completions of exactly 200 tokens
 (`ignore_eos` on both sides; the TRL log's completion lengths are kept to show it), random rewards
@@ -75,7 +80,13 @@ from _common import (
     weights_note,
 )
 
-PARTS = ("unsloth", "art")
+PARTS = ("unsloth", "art", "art_settled", "art_compiled")
+# art_nb's side as it ships ("art"), and two variants that each test one cause of its gap to Unsloth: the
+# previous step's checkpoint written while the rollouts decode ("art_settled" waits for it before them) and
+# vLLM without torch.compile ("art_compiled" compiles, as Unsloth's engine does, vLLM's size pass repaired).
+ART_VARIANTS: dict[str, dict[str, Any]] = {"art": {"startup": "fast", "settle": False},
+                                           "art_settled": {"startup": "fast", "settle": True},
+                                           "art_compiled": {"startup": "compiled", "settle": False}}
 # Unsloth's Qwen2.5-3B GRPO notebook.
 RECIPE: dict[str, Any] = {
     "max_seq_length": 1024, "lora_rank": 64, "gpu_memory_utilization": 0.5, "num_generations": 8,
@@ -83,7 +94,7 @@ RECIPE: dict[str, Any] = {
     "adam_beta2": 0.99, "weight_decay": 0.1, "max_grad_norm": 0.1, "optim": "adamw_8bit",
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-PART_BUDGET_S = {"unsloth": 290, "art": 190}  # H200, 5 steps: start-up, compile, steps
+PART_BUDGET_S = {"unsloth": 290, "art": 190, "art_settled": 190, "art_compiled": 250}  # H200, 5 steps: start-up, compile, steps
 GENERATE_S: list[float] = []  # seconds of each `vllm.LLM.generate` call on Unsloth's side
 
 
@@ -98,8 +109,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--art-engine", choices=("vllm", "hf"), default="vllm",
                         help="art_nb's engine: vLLM (a T4 with the T4 set) or transformers (a T4 without vLLM)")
-    parser.add_argument("--art-startup", choices=("fast", "compiled", "eager"), default="fast",
-                        help="how art_nb's vLLM starts (ModelConfig.vllm_startup): Unsloth's own engine compiles")
     parser.add_argument("--deadline-s", type=float, default=420, help="end within this long (sides cut short)")
     parser.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--stop-by", type=float, default=math.inf, help=argparse.SUPPRESS)  # a time.time()
@@ -287,7 +296,8 @@ def prompt_dataset(prompts: list[Any]) -> Any:
 
 async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     on_gpu = cuda()
-    result: dict[str, Any] = {}
+    variant = ART_VARIANTS[args.part]
+    result: dict[str, Any] = {"variant": variant}
     if on_gpu:
         result["cap"] = cap_like_a_gpu(args.cap_gib)
     peak = GpuUsedPeak().__enter__() if on_gpu else None
@@ -295,12 +305,14 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 
     engine = args.art_engine if on_gpu else "hf"
     if engine == "vllm":
-        os.environ.update(startup_env(args.art_startup))
+        os.environ.update(startup_env(variant["startup"]))
+        if variant["startup"] == "compiled":
+            result["size_pass_repaired"] = repair_vllm_size_pass()
     config = art.ModelConfig(engine=engine, trainer="unsloth" if on_gpu else "peft", dtype="float16" if on_gpu else "auto",
                              load_in_4bit=on_gpu, max_seq_len=args.max_seq_len,
                              lora=art.LoraConfig(rank=args.rank, alpha=float(args.rank),
                                                  target_modules=tuple(RECIPE["target_modules"])),
-                             max_batch_size=args.generations, **(startup_fields(args.art_startup) if engine == "vllm" else {}))
+                             max_batch_size=args.generations, **(startup_fields(variant["startup"]) if engine == "vllm" else {}))
     result["config"] = config.model_dump(mode="json")
     model = art.TrainableModel(name="t4", project="bench", base_model=str(args.model), config=config)
     backend = art.LocalBackend(path=tempfile.mkdtemp(prefix="art_nb_bench_"))
@@ -330,15 +342,20 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
             if walls and time.time() + 1.5 * max(walls[1:] or walls) > args.stop_by:
                 break
             mark = time.perf_counter()
+            waited = 0.0
+            if variant["settle"]:  # the previous step's checkpoint lands before the rollouts start
+                await backend.wait_for_checkpoint(model)
+                waited = time.perf_counter() - mark
             groups = await art.gather_trajectory_groups(
                 [art.TrajectoryGroup(one(prompts[step], step * 100 + i) for i in range(args.generations))],
                 pbar_desc=None)
-            rollout_s = time.perf_counter() - mark
+            rollout_s = time.perf_counter() - mark - waited
             trained = await model.train(groups, config=train)
             walls.append(time.perf_counter() - mark)
             lengths = [t.metrics["completion_tokens"] for g in groups for t in g.trajectories]
             result["step_rows"].append({"step": trained.step, "wall_s": round(walls[-1], 3),
-                                        "rollout_s": round(rollout_s, 3), "completion_tokens": lengths,
+                                        "rollout_s": round(rollout_s, 3), "checkpoint_wait_s": round(waited, 3),
+                                        "completion_tokens": lengths,
                                         **{k: round(float(v), 4) for k, v in trained.metrics.items()
                                            if k.startswith("time/")}})
             print(result["step_rows"][-1], flush=True)
@@ -356,6 +373,19 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 def run_one_part(args: argparse.Namespace) -> None:
     measure_part(args.out, args.part,
                  lambda write: unsloth_part(args, write) if args.part == "unsloth" else asyncio.run(art_part(args, write)))
+
+
+def repair_vllm_size_pass() -> bool:
+    """Let this vLLM compile with LoRA (vllm_size_pass.py) and art_nb keep "compiled" (its start-up rule would
+    otherwise start "fast" on vLLM 0.19-0.31); False when this vLLM has no such pass."""
+    import vllm_size_pass
+
+    from art_nb.local.engines.vllm import startup
+
+    repaired = vllm_size_pass.install()
+    if repaired:
+        startup._compile_fails_with_lora = lambda: None
+    return repaired
 
 
 def compare(sections: dict[str, Any]) -> dict[str, Any]:
@@ -385,6 +415,10 @@ def compare(sections: dict[str, Any]) -> dict[str, Any]:
     if out["art_nb_peak_gib"] and out["unsloth_peak_gib"]:
         out["memory_goal_met"] = out["art_nb_peak_gib"] <= out["unsloth_peak_gib"]
         verdict.append(f"peak {out['art_nb_peak_gib']} vs {out['unsloth_peak_gib']} GiB")
+    for name in ART_VARIANTS:
+        if name != "art" and mean(sections.get(name, {})) and out["unsloth_step_s"]:
+            out[f"{name}_over_unsloth_time"] = round(mean(sections[name]) / out["unsloth_step_s"], 3)
+            verdict.append(f"{name} / Unsloth {out[f'{name}_over_unsloth_time']:.2f}")
     out["verdict"] = "; ".join(verdict) or "incomplete"
     return out
 
@@ -400,12 +434,12 @@ def main(argv: list[str] | None = None) -> None:
                       settings={"cap_gib": args.cap_gib, "steps": args.steps, "completion_tokens": args.tokens,
                                 "generations": args.generations, "lora_rank": args.rank, "quick": args.quick,
                                 "max_seq_len": args.max_seq_len, "dtype": "float16", "base": "4-bit (NF4)",
-                                "art_engine": args.art_engine, "art_vllm_startup": args.art_startup,
+                                "art_engine": args.art_engine, "art_variants": ART_VARIANTS,
                                 "not_a_t4": "an H200 under a 15 GiB cap: same memory, far more bandwidth and compute"})
     model_dir = model_section(results, args.model, args.quick)
     if model_dir is None:
         return
-    parts = [p for p in args.parts if cuda() or p == "art" or args.quick]
+    parts = [p for p in args.parts if cuda() or p in ART_VARIANTS or args.quick]
     for part in parts:
         left = args.deadline_s - (time.monotonic() - started)
         with results.section(part) as entry:
@@ -417,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
             own_stop = time.time() + left * share if not args.quick else stop_by
             argv = ["--out", str(args.out), "--model", str(model_dir), "--cap-gib", str(args.cap_gib), "--steps",
                     str(args.steps), "--tokens", str(args.tokens), "--stop-by", str(own_stop - 10),
-                    "--art-engine", args.art_engine, "--art-startup", args.art_startup]
+                    "--art-engine", args.art_engine]
             entry.update(run_part(Path(__file__), part, argv + (["--quick"] if args.quick else []), args.out,
                                   timeout_s=1800 if args.quick else max(own_stop - time.time() + 30, 60)))
             if "error" in entry:

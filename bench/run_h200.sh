@@ -75,7 +75,7 @@ case "$SEGMENT" in
               FILE=gpu_throughput ;;
   t4)         # Both sides need ~8 min at 5 steps (measured: Unsloth import 37 s + load 97 s + first step 39 s;
               # art_nb register 62 s + first step 51 s): run it alone with the full limit, or fewer steps
-              # (H200_T4_STEPS=3); H200_T4_ARGS adds flags (e.g. "--parts art --art-startup compiled").
+              # (H200_T4_STEPS=3); H200_T4_ARGS adds flags (e.g. "--parts unsloth art_settled": art_nb's variants).
               bench gpu_t4_vs_unsloth.py ${H200_T4_STEPS:+--steps $H200_T4_STEPS} $(deadline_flag 540) ${H200_T4_ARGS:-}
               FILE=gpu_t4_vs_unsloth ;;
   memory)     # H200_MEMORY_ARGS="--vllm-4bit off": vLLM serves bf16 weights beside the 4-bit trainer

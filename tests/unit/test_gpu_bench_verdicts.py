@@ -253,3 +253,25 @@ def test_step_stats_say_when_requests_reached_the_engine_against_its_first_step(
     assert stats["half_added_s"] == pytest.approx(0.248) and stats["last_add_s"] == pytest.approx(0.262)
     assert stats["added_before_step_1"] == 4  # the engine had work from 2 ms on and first stepped at 250 ms
     assert "first_add_s" not in tp.step_stats(spans, mark=0.0, done=0.300)  # plain engines without adds timed
+
+
+def test_the_size_pass_repair_turns_sizes_by_dimension_into_functions_and_keeps_the_result():
+    """bench/vllm_size_pass.py: vLLM 0.25's pass fails on `x.size(0)` nested in a shape tuple (its LoRA buffers);
+    after the repair only whole-shape sizes are left for it, and the graph computes the same."""
+    import torch
+    from torch import fx
+
+    class Buffers(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            buffer = torch.zeros((2, x.size(0), 3))
+            return buffer.sum() + x[: x.size(0)].sum() * x.size(-1) + x.view(x.size()).sum()
+
+    graph = fx.symbolic_trace(Buffers())
+    x = torch.randn(5, 4)
+    expected = graph(x)
+    assert load("vllm_size_pass").sizes_by_dim_to_sym_size(graph) == 3
+    sizes = [node for node in graph.graph.nodes if node.op == "call_method" and node.target == "size"]
+    assert [node.args for node in sizes] == [(graph.graph.find_nodes(op="placeholder")[0],)]  # x.size() alone
+    assert all(node in user.args for node in sizes for user in node.users)  # a direct argument: vLLM's pass copes
+    assert torch.equal(graph(x), expected)
+    assert graph(torch.randn(7, 2)).shape == expected.shape
