@@ -212,7 +212,8 @@ def unsloth_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 
     result["import_s"] = round(time.perf_counter() - started, 1)
     if on_gpu:
-        result["cap"].update(show_unsloth_a_capped_gpu(args.cap_gib))
+        # the dict itself: vLLM's keywords (quantization, compilation, max_loras...) arrive in it when Unsloth builds it
+        result["unsloth_vllm"] = show_unsloth_a_capped_gpu(args.cap_gib)
     started = time.perf_counter()
     model_kwargs: dict[str, Any] = {}
     if on_gpu:

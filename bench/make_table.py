@@ -304,7 +304,7 @@ def gpu_t4_vs_unsloth(data: dict[str, Any] | None) -> list[str]:
         missed = [label for key, label in goals if c.get(f"{key}_goal_met") is False]
         lines += [(f"**art_nb / Unsloth step time = {c['art_nb_over_unsloth_time']:.2f}**; "
                    + ("goals met." if not missed else "goal **missed**: " + "; ".join(missed) + ".")), ""]
-    share = uns.get("cap", {})
+    share = uns.get("unsloth_vllm") or uns.get("cap", {})  # "cap" in runs before 9ddf466 (where it stayed empty)
     if share.get("vllm_share_of_device") is not None:
         lines += [(f"Unsloth was shown a {share.get('unsloth_sees_total_gib')} GiB device: it gave vLLM "
                    f"{share.get('unsloth_share_of_cap')} of it (standby), {share.get('vllm_share_of_device')} of this "
