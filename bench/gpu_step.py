@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=MIN_REPEATS, help="turns per side, interleaved")
     parser.add_argument("--warmup-steps", type=int, default=1, help="an untimed first turn per side (compiles)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--vllm-stream", choices=("default", "own", "high"), default=None,
+                        help="the CUDA stream art_nb's vLLM thread issues on (ART_NB_VLLM_STREAM; default: the device's)")
     parser.add_argument("--art-modes", nargs="+", choices=ART_MODES, default=["sync"],
                         help="art_nb's loop: synchronous, and/or art.pipeline (the next step's rollouts beside training)")
     parser.add_argument("--startup", choices=STARTUP_MODES, default="fast",
@@ -425,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "steps": args.steps, "rounds": args.rounds, "warmup_steps": args.warmup_steps,
                                 "sides": sides, "lora_rank": LORA_RANK, "learning_rate": LEARNING_RATE,
                                 "max_seq_len": args.max_seq_len, "quick": args.quick,
-                                "vllm_startup": args.startup, "rollout_call": "chat.completions, no logprobs=True",
+                                "vllm_startup": args.startup, "vllm_stream": args.vllm_stream or "default", "rollout_call": "chat.completions, no logprobs=True",
                                 "method": "both sides' processes stay up (one GPU holds both) and take turns: a warm-up "
                                           "turn each, then rounds in rotating order; a turn is `steps` steps; seconds "
                                           "per step = from its first step's end to its last's, over the steps between"})
@@ -442,7 +444,9 @@ def main(argv: list[str] | None = None) -> None:
                     if found:  # the same vLLM share art_nb's plan gave itself
                         args.gpu_memory_utilization = float(found[-1].split("gpu_memory_utilization=")[1].split()[0])
                 residents[part] = Resident(Path(__file__), part, forwarded(args, model_dir), args.out,
-                                           timeout_s=left() - 30 if not args.quick else 1800, env=startup_env(args.startup))
+                                           timeout_s=left() - 30 if not args.quick else 1800,
+                                           env={**startup_env(args.startup),
+                                                **({"ART_NB_VLLM_STREAM": args.vllm_stream} if args.vllm_stream else {})})
                 entry.update(residents[part].ready, turns=[], status="ready")
                 entry["summary"] = (f"registered in {entry['register_s']} s" if part == "art" else
                                     f"trainer built in {entry.get('init_s')} s")

@@ -53,8 +53,10 @@ deadline_flag() { echo "--deadline-s $(( $(left) - 25 < $1 ? $(left) - 25 : $1 )
 case "$SEGMENT" in
   throughput) bench gpu_throughput.py --startup fast eager $(deadline_flag 540); FILE=gpu_throughput ;;
   step)       bench gpu_step.py --startup fast $(deadline_flag 520); FILE=gpu_step ;;
-  pipeline)   # The step benchmark with art.pipeline as a third side: its gpu_step.json holds all three
-              bench gpu_step.py --startup fast --art-modes sync pipelined $(deadline_flag 540); FILE=gpu_step ;;
+  pipeline)   # The step benchmark with art.pipeline as a third side: its gpu_step.json holds all three.
+              # H200_STEP_ARGS adds flags (e.g. "--vllm-stream high": vLLM's thread on a stream of its own)
+              bench gpu_step.py --startup fast --art-modes sync pipelined $(deadline_flag 540) ${H200_STEP_ARGS:-}
+              FILE=gpu_step ;;
   curves)     # SmolLM2 tic-tac-toe trained twice from step 0 on the same games, with and without art.pipeline
               echo "== gpu_tictactoe.py --pipeline both ($(left) s left)"
               timeout -s INT -k 10 $(( $(left) - 12 )) "$PY" bench/gpu_tictactoe.py "$OUT/bench/tictactoe" --steps 12 \

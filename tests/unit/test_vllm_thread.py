@@ -237,3 +237,20 @@ def test_switch_interval_env_zero_leaves_python_alone(monkeypatch) -> None:
     finally:
         thread.stop()
         thread.join()
+
+
+def test_the_engine_stream_is_the_default_one_unless_asked_and_a_bad_choice_is_refused(monkeypatch) -> None:
+    from art_nb.local.engines.vllm.stream import STREAM_ENV, EngineStream
+
+    monkeypatch.delenv(STREAM_ENV, raising=False)
+    default = EngineStream()
+    assert default.choice == "default" and default.reason is None
+    with default.issuing(), default.crossing():  # no-ops: nothing to switch to
+        pass
+    monkeypatch.setenv(STREAM_ENV, "High")
+    high = EngineStream()
+    assert high.choice == "high"
+    assert high.reason is None  # no CUDA here: the thread stays on the (CPU) default, and says nothing
+    monkeypatch.setenv(STREAM_ENV, "separate")
+    with pytest.raises(ValueError, match="ART_NB_VLLM_STREAM='separate': expected one of default, own, high"):
+        VLLMThread()  # refused before a thread starts or the switch interval is claimed

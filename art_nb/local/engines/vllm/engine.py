@@ -127,6 +127,8 @@ class VLLMEngine:
         for reason in reasons:
             _log.info("vLLM: %s", reason)
         thread = VLLMThread()
+        if thread.stream.reason:
+            reasons.append(thread.stream.reason)
         reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
                        "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
         try:

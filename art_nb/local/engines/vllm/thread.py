@@ -22,6 +22,9 @@ drop it, which CPython does after `sys.getswitchinterval()` (5 ms by default). U
 requests that wait is longer than the step itself (on the H200, 3B, batch 256: the endpoint ran at
 0.53x plain vLLM). So while a vLLM thread lives, the interval is at most `SWITCH_INTERVAL_S`
 (ART_NB_SWITCH_INTERVAL_MS overrides; 0 leaves Python's), restored when the last one ends.
+
+The GPU: the thread issues vLLM's work on the device's default stream, or on one of its own where
+ART_NB_VLLM_STREAM asks (stream.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from .stream import EngineStream
 
 __all__ = ["VLLMThread"]
 
@@ -144,6 +149,7 @@ class VLLMThread:
         self._lock = threading.Lock()  # submission vs. the thread's exit: nothing is queued after it
         self._stopped = False
         self._step_failed = False
+        self.stream = EngineStream()  # a bad ART_NB_VLLM_STREAM is refused here, before the thread starts
         self._thread = threading.Thread(target=self._run, name="art_nb-vllm", daemon=True)
         _claim_switch_interval()
         self._thread.start()
@@ -199,15 +205,16 @@ class VLLMThread:
     def _run(self) -> None:
         outcomes = _Outcomes()
         try:
-            while True:
-                if not self._waiters and not self._held:
-                    self._held.append(self._queue.get())  # nothing to step: sleep until something is asked
-                while not self._queue.empty():  # whatever was asked during the last step, in order
-                    self._held.append(self._queue.get_nowait())
-                if self._run_held(outcomes):
-                    break
-                self._step(outcomes)
-                outcomes.send()
+            with self.stream.issuing():  # vLLM's kernels on its own stream where one is asked (stream.py)
+                while True:
+                    if not self._waiters and not self._held:
+                        self._held.append(self._queue.get())  # nothing to step: sleep until something is asked
+                    while not self._queue.empty():  # whatever was asked during the last step, in order
+                        self._held.append(self._queue.get_nowait())
+                    if self._run_held(outcomes):
+                        break
+                    self._step(outcomes)
+                    outcomes.send()
         finally:
             _release_switch_interval()
             with self._lock:
@@ -232,7 +239,8 @@ class VLLMThread:
             if item is _STOP:
                 return True
             if isinstance(item, _Call):
-                _run_call(item)
+                with self.stream.crossing():
+                    _run_call(item)
             elif isinstance(item, _Add):
                 self._add(item, outcomes)
             elif isinstance(item, _Abort) and self._waiters.pop(item.request_id, None) is not None \
