@@ -9,7 +9,7 @@ prefill. Hence three modes (`ModelConfig.vllm_startup`, or ART_NB_VLLM_STARTUP f
 - "fast" (the default): no torch.compile; full CUDA graphs for decode batches only, at a short list
   of batch sizes, LoRA-active graphs only. Decoding runs graph-replayed; prefill runs eager.
 - "compiled": vLLM's default path (torch.compile, FULL_AND_PIECEWISE graphs), with the same short
-  size list and LoRA-active graphs only: the slowest start. vLLM 0.19 up to 0.32 cannot compile a
+  size list and LoRA-active graphs only: the slowest start. vLLM 0.19-0.31 cannot compile a
   model with LoRA enabled; there it is "fast", with the reason.
 - "eager": `enforce_eager`, no compile and no graphs (the old ART_NB_VLLM_ENFORCE_EAGER=1).
 
