@@ -38,7 +38,6 @@ import itertools
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -127,10 +126,7 @@ class VLLMEngine:
         for reason in reasons:
             _log.info("vLLM: %s", reason)
         thread = VLLMThread()
-        if thread.stream.reason:
-            reasons.append(thread.stream.reason)
-        reasons.append(f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
-                       "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
+        reasons.extend(thread.reasons())
         try:
             # vLLM's load and CUDA-graph bars: notebook widgets, which a quiet register cannot send to its log
             engine = await thread.call(_build_engine, {**setup.kwargs, "use_tqdm_on_load": library_bars()})

@@ -160,6 +160,12 @@ class VLLMThread:
         dead or closed (None while it serves); `died(exc)` is told when `step()` raised."""
         self._dead, self._died, self._engine_step = dead, died, step
 
+    def reasons(self) -> list[str]:
+        """What the thread changes for vLLM's sake, to show among the engine's choices."""
+        switch = (f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
+                  "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
+        return [switch] if self.stream.reason is None else [self.stream.reason, switch]
+
     # ---- submission (any thread) -----------------------------------------------------------------
 
     def call(self, fn: Callable[..., _T], *args: Any, when_idle: bool = False, **kwargs: Any) -> asyncio.Future[_T]:
