@@ -10,7 +10,8 @@ three fail with EngineDeadError, and `dead_reason` turns non-None. What vLLM's e
 "re-register the model", must then work: `register` on the same backend replaces the engine and a
 chat completion through the model's OpenAI client succeeds. Before the kill and once the new engine
 serves, a two-turn conversation checks that the second prompt vLLM is given begins with the first
-prompt + the ids it sampled (server/turns.py). Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
+prompt + the ids it sampled (server/turns.py). Last, an SFT step: the new engine then serves the
+adapter the trainer holds (the same greedy reply). Each stage appends to RESULT.json; test_vllm_engine_cpu.py asserts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ from pathlib import Path
 from typing import Any
 
 PROMPT = [{"role": "user", "content": "Name three colours, separated by commas."}]
+SFT_REPLY = "Banana, mango, kiwi."
+
+
+def trainer_greedy(state: Any, max_new_tokens: int) -> str:
+    """The trainer's own greedy reply to PROMPT (transformers' generate on its LoRA model)."""
+    import torch
+
+    tokenizer, peft_model = state.engine.tokenizer, state.trainer.model
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = peft_model.generate(**ids.to(peft_model.device), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 async def main(model_dir: Path, work: Path, result_path: Path) -> None:
@@ -97,6 +110,13 @@ async def main(model_dir: Path, work: Path, result_path: Path) -> None:
         save("served_after", {"model": after.model, "text": after.choices[0].message.content,
                               "finish_reason": after.choices[0].finish_reason})
         save("two_turns_after", await two_turns())  # the new engine's tokenizer keeps sampled turns too
+
+        # A warm start: the adapter an SFT step hands the (new) engine is the one the trainer holds
+        demo = [*PROMPT, {"role": "assistant", "content": SFT_REPLY}]
+        await model.train_sft([art.Trajectory(messages_and_choices=demo) for _ in range(6)],
+                              art.TrainSFTConfig(learning_rate=2e-3, batch_size=1))
+        save("sft_served", {"model": (reply := await chat()).model, "text": reply.choices[0].message.content})
+        save("sft_trainer", trainer_greedy(backend._state(model), max_new_tokens=8))
     finally:
         await backend.close()
     save("closed", True)

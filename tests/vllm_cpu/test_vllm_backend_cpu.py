@@ -41,3 +41,12 @@ def test_vllm_is_given_the_sampled_ids_of_the_previous_turn(revived):
     """The endpoint computes prompt ids before the engine: vLLM gets the same token-in/token-out prompts,
     from the first engine and from the one register started in its place."""
     assert revived["two_turns_before"]["extends"] and revived["two_turns_after"]["extends"], revived["_log_tail"]
+
+
+def test_after_an_sft_step_vllm_serves_the_trainers_adapter(revived):
+    """A warm start's update reaches the engine: its greedy reply is the trainer's own, and the demonstration's."""
+    served = revived.get("sft_served")
+    assert served is not None, revived["_log_tail"]
+    assert served["model"] == "revive@1"
+    assert served["text"].startswith(revived["sft_trainer"]) or revived["sft_trainer"].startswith(served["text"])
+    assert served["text"].startswith("Banana")
