@@ -83,6 +83,8 @@ from _common import (
     weights_note,
 )
 
+from art_nb.local.engines.vllm.stream import STREAM_CHOICES, STREAM_ENV  # ROOT is on sys.path now
+
 PARTS = ("art", "trl")
 LORA_RANK, LORA_ALPHA, LEARNING_RATE = 16, 32.0, 5e-5
 STEP_GOAL, OVERHEAD_GOAL, SWAP_GOAL_S = 1.3, 0.05, 0.05  # goals: TRL / art_nb >= 1.3, < 5%, swap <= 50 ms
@@ -102,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=MIN_REPEATS, help="turns per side, interleaved")
     parser.add_argument("--warmup-steps", type=int, default=1, help="an untimed first turn per side (compiles)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--vllm-stream", choices=("default", "own", "high"), default=None,
-                        help="the CUDA stream art_nb's vLLM thread issues on (ART_NB_VLLM_STREAM; default: the device's)")
+    parser.add_argument("--vllm-stream", choices=STREAM_CHOICES, default=None,
+                        help=f"the CUDA stream art_nb's vLLM thread issues on ({STREAM_ENV}; default: the device's)")
     parser.add_argument("--art-modes", nargs="+", choices=ART_MODES, default=["sync"],
                         help="art_nb's loop: synchronous, and/or art.pipeline (the next step's rollouts beside training)")
     parser.add_argument("--startup", choices=STARTUP_MODES, default="fast",
@@ -446,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
                 residents[part] = Resident(Path(__file__), part, forwarded(args, model_dir), args.out,
                                            timeout_s=left() - 30 if not args.quick else 1800,
                                            env={**startup_env(args.startup),
-                                                **({"ART_NB_VLLM_STREAM": args.vllm_stream} if args.vllm_stream else {})})
+                                                **({STREAM_ENV: args.vllm_stream} if args.vllm_stream else {})})
                 entry.update(residents[part].ready, turns=[], status="ready")
                 entry["summary"] = (f"registered in {entry['register_s']} s" if part == "art" else
                                     f"trainer built in {entry.get('init_s')} s")

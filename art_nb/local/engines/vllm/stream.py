@@ -22,10 +22,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["STREAM_ENV", "EngineStream"]
+__all__ = ["STREAM_CHOICES", "STREAM_ENV", "EngineStream"]
 
 STREAM_ENV = "ART_NB_VLLM_STREAM"
-_CHOICES = ("default", "own", "high")
+STREAM_CHOICES = ("default", "own", "high")
 _HIGHEST = -100  # torch maps a priority beyond the device's range to its highest
 
 
@@ -34,8 +34,8 @@ class EngineStream:
 
     def __init__(self) -> None:
         self.choice = os.environ.get(STREAM_ENV, "").strip().lower() or "default"
-        if self.choice not in _CHOICES:
-            raise ValueError(f"{STREAM_ENV}={self.choice!r}: expected one of {', '.join(_CHOICES)}")
+        if self.choice not in STREAM_CHOICES:
+            raise ValueError(f"{STREAM_ENV}={self.choice!r}: expected one of {', '.join(STREAM_CHOICES)}")
         self._stream: Any = None
         if self.choice != "default":
             import torch
