@@ -7,7 +7,6 @@ a rollout. Adapters are addressed by name ("{model}@{step}"); `None` means the b
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,47 +119,21 @@ def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str | None = 
     for name, tensor in tensors.items():
         by_kind.setdefault((tensor.device, dtype or tensor.dtype), []).append(name)
     copied: dict[str, Any] = {}
-    for (device, kind), names in by_kind.items():
-        with _side_stream(device) if to_host else contextlib.nullcontext():
-            copied.update(_packed(tensors, names, kind, to_host=to_host, what=what, pinned=pinned))
+    for (_, kind), names in by_kind.items():
+        flat = torch.cat([tensors[name].detach().reshape(-1) for name in names]).to(kind)  # new, also on CPU
+        # A sum is NaN/inf if any element is (5-10x cheaper than isfinite().all() on a CPU); a sum that
+        # merely overflowed is told apart by the exact check, which runs only then.
+        if what is not None and flat.is_floating_point() and not bool(torch.isfinite(flat.sum())):
+            bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
+            if bad is not None:
+                raise ValueError(f"refusing to save non-finite {what} ({bad})")
+        if to_host and pinned and flat.is_cuda:
+            flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
+        elif to_host:
+            flat = flat.cpu()
+        pieces = flat.split([tensors[name].numel() for name in names])
+        copied.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
     return {name: copied[name] for name in tensors}
-
-
-def _side_stream(device: Any) -> contextlib.AbstractContextManager[Any]:
-    """Run a copy to the host on a CUDA stream of its own, after the work already queued on the
-    caller's stream (which made the tensors) and beside what is queued later.
-
-    On the device's default stream a host copy (a synchronous transfer, and the NaN check's sync) stalls
-    every kernel queued there meanwhile: a checkpoint's ~1.5 GB of adapter and optimizer state (3B, rank
-    64) copied in the background while vLLM decodes the next rollouts on that stream. A pool stream is
-    non-blocking, so the copy and the decoding run side by side."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    import torch
-
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return torch.cuda.stream(stream)
-
-
-def _packed(tensors: dict[str, Any], names: list[str], kind: Any, *, to_host: bool, what: str | None,
-            pinned: bool) -> dict[str, Any]:
-    """`packed_copies` for tensors of one device and dtype."""
-    import torch
-
-    flat = torch.cat([tensors[name].detach().reshape(-1) for name in names]).to(kind)  # new, also on CPU
-    # A sum is NaN/inf if any element is (5-10x cheaper than isfinite().all() on a CPU); a sum that
-    # merely overflowed is told apart by the exact check, which runs only then.
-    if what is not None and flat.is_floating_point() and not bool(torch.isfinite(flat.sum())):
-        bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
-        if bad is not None:
-            raise ValueError(f"refusing to save non-finite {what} ({bad})")
-    if to_host and pinned and flat.is_cuda:
-        flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
-    elif to_host:
-        flat = flat.cpu()
-    pieces = flat.split([tensors[name].numel() for name in names])
-    return {name: piece.view(tensors[name].shape) for name, piece in zip(names, pieces, strict=True)}
 
 
 @runtime_checkable
