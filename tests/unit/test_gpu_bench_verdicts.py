@@ -11,6 +11,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -179,6 +180,20 @@ def test_t4_compare_wants_no_more_time_and_no_more_memory_than_unsloth() -> None
     assert not out["time_goal_met"] and not out["memory_goal_met"]
     assert t4.compare({"art": side(12.0, 13.0)})["verdict"] == "incomplete"
     assert t4.step_summary([30.0, 5.0, 7.0])["step_s"]["mean"] == 6.0  # step 1 (compilation) left out
+    # Sides cut short after step 1 (its compile time judged the next step too long): no seconds, no ratio
+    only_first = t4.step_summary([41.8])
+    assert only_first["step_s"] == {} and only_first["steps_used"] == []
+    both_first = {name: {"steps": t4.step_summary([wall]), "peak_gpu_used_gib": 10.0} for name, wall in
+                  (("art", 37.1), ("unsloth", 41.8))}
+    assert "art_nb_over_unsloth_time" not in t4.compare(both_first)
+
+
+def test_t4_sides_take_a_second_step_after_the_compiling_first() -> None:
+    t4 = load("gpu_t4_vs_unsloth")
+    now = time.time()
+    assert not t4.next_step_would_pass([40.0], now + 20)  # a later step is ~1/10 of the first
+    assert t4.next_step_would_pass([40.0], now + 5)
+    assert t4.next_step_would_pass([40.0, 4.0, 5.0], now + 7) and not t4.next_step_would_pass([40.0, 4.0, 5.0], now + 9)
 
 
 def test_startup_helpers_pick_the_switches_and_read_what_the_engine_ran() -> None:
