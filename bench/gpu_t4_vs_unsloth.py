@@ -83,11 +83,14 @@ from _common import (
 # art_nb's side as it ships ("art"), and variants that each test one cause of its gap to Unsloth: the
 # previous step's checkpoint written while the rollouts decode ("art_settled" waits for it before them: on
 # the H200 its rollouts took ~2.5 s instead of ~3.5 s); of that checkpoint, the disk ("art_in_memory" keeps
-# the store on /dev/shm: the host copy and the serialising stay, the disk and its fsync go); and vLLM without
-# torch.compile ("art_compiled" compiles, as Unsloth's engine does, vLLM's size pass repaired).
+# the store on /dev/shm: the host copy and the serialising stay, the disk and its fsync go) and its host copy
+# ("art_pinned" copies into page-locked memory, which the caching host allocator reuses step after step: a
+# full-speed transfer, no fresh pages to fault in); and vLLM without torch.compile ("art_compiled" compiles,
+# as Unsloth's engine does, vLLM's size pass repaired).
 ART_VARIANTS: dict[str, dict[str, Any]] = {"art": {"startup": "fast", "settle": False},
                                            "art_settled": {"startup": "fast", "settle": True},
                                            "art_in_memory": {"startup": "fast", "settle": False, "store": "/dev/shm"},
+                                           "art_pinned": {"startup": "fast", "settle": False, "pinned": True},
                                            "art_compiled": {"startup": "compiled", "settle": False}}
 PARTS = ("unsloth", *ART_VARIANTS)
 # Unsloth's Qwen2.5-3B GRPO notebook.
@@ -97,7 +100,7 @@ RECIPE: dict[str, Any] = {
     "adam_beta2": 0.99, "weight_decay": 0.1, "max_grad_norm": 0.1, "optim": "adamw_8bit",
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-PART_BUDGET_S = {"unsloth": 290, "art": 190, "art_settled": 190, "art_in_memory": 190, "art_compiled": 250}  # H200, 5 steps: start-up, compile, steps
+PART_BUDGET_S = {"unsloth": 290, "art": 190, "art_settled": 190, "art_in_memory": 190, "art_pinned": 190, "art_compiled": 250}  # H200, 5 steps: start-up, compile, steps
 GENERATE_S: list[float] = []  # seconds of each `vllm.LLM.generate` call on Unsloth's side
 
 
@@ -316,6 +319,8 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     import art_nb as art
 
     engine = args.art_engine if on_gpu else "hf"
+    if variant.get("pinned"):
+        pin_checkpoint_copies()
     if engine == "vllm":
         os.environ.update(startup_env(variant["startup"]))
         if variant["startup"] == "compiled":
@@ -385,6 +390,19 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 def run_one_part(args: argparse.Namespace) -> None:
     measure_part(args.out, args.part,
                  lambda write: unsloth_part(args, write) if args.part == "unsloth" else asyncio.run(art_part(args, write)))
+
+
+def pin_checkpoint_copies() -> None:
+    """Make the checkpoint's host copies (adapter and optimizer state) page-locked, as vLLM's adapter copy is."""
+    from art_nb.local.engines import base
+    from art_nb.local.trainers import peft_trainer
+
+    copies = base.packed_copies
+
+    def pinned(tensors: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return copies(tensors, **{**kwargs, "pinned": kwargs.get("pinned") or kwargs.get("to_host", False)})
+
+    base.packed_copies = peft_trainer.packed_copies = pinned  # both call it by their module's name
 
 
 def repair_vllm_size_pass() -> bool:
