@@ -7,7 +7,10 @@ therefore cannot overlap on the GPU: on the H200 (3B) training beside the rollou
 instead of 1.32 s and the rollouts 2.10 s instead of 1.38 s. `ART_NB_VLLM_STREAM` gives vLLM's
 thread a stream of its own ("own"), or one at the device's highest priority ("high": decoding's short
 kernels are scheduled ahead of training's), so the GPU may run both at once. "default" (the default)
-keeps the shared stream until the pipelined step has been measured with the others.
+keeps the shared stream: measured with "high" (bench/results/h200/pipeline_stream_high), the pipelined
+step took 2.30 s against 2.54 s on the shared stream in an earlier run, but the rounds overlap and the
+phases beside each other were no faster (training 2.65 s instead of 2.74 s): the two share the SMs
+whichever stream they are queued on.
 
 Device memory crosses between the streams only in calls on vLLM's thread (an adapter handed over on
 the device, sleep and wake giving memory back and taking it), so each call first waits for what the
