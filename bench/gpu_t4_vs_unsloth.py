@@ -17,11 +17,12 @@ Same GPU, same cap, same model, same work per step, in one run, each side in its
   the T4 set installed (vLLM 0.11.2, the release Unsloth's notebooks install on a T4); on the H200 it is
   the staged vLLM 0.25, as for Unsloth's side, serving NF4 weights beside the 4-bit trainer and planning
   its share within the cap. `hf` is the transformers engine (a T4 without vLLM).
-- `art_settled`, `art_compiled` (not run by default): art_nb's side with one thing changed, to find where
-  its gap to Unsloth comes from: the rollouts wait for the previous step's checkpoint instead of decoding
-  while it is written; vLLM compiled with torch.compile (FULL_AND_PIECEWISE graphs, as Unsloth's engine),
-  its size pass repaired on vLLM 0.19-0.31 (`vllm_size_pass.py`). Unsloth's side records the seconds in
-  vLLM's `generate` per step, so both sides' steps split into decoding and the rest.
+- `art_settled`, `art_in_memory`, `art_pinned`, `art_compiled` (asked for by name with `--parts`): art_nb's
+  side with one thing changed, to find where its gap to Unsloth comes from (`ART_VARIANTS`): the rollouts
+  wait for the previous step's checkpoint instead of decoding while it is written; that checkpoint kept on
+  /dev/shm; its host copies page-locked; vLLM compiled with torch.compile (FULL_AND_PIECEWISE graphs, as
+  Unsloth's engine), its size pass repaired on vLLM 0.19-0.31 (`vllm_size_pass.py`). Unsloth's side records
+  the seconds in vLLM's `generate` per step, so both sides' steps split into decoding and the rest.
 
 Equal work: the same prompt per step (tic-tac-toe first turns), 8 completions of exactly 200 tokens
 (`ignore_eos` on both sides; the TRL log's completion lengths are kept to show it), random rewards
