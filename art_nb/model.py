@@ -121,7 +121,7 @@ class Model(BaseModel):
 
     def openai_client(self, **kwargs: Any) -> AsyncOpenAI:
         """An `AsyncOpenAI` pointed at this model's endpoint, one per event loop (clients bind to a loop)."""
-        from openai import AsyncOpenAI
+        from art_nb.chat_client import chat_client_class
 
         base_url, api_key = self._endpoint()
         try:
@@ -140,7 +140,7 @@ class Model(BaseModel):
                 http_client = None if self._backend is None else self._backend.in_process_http_client(self)
                 if http_client is not None:
                     kwargs["http_client"] = http_client
-            client = AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs)
+            client = chat_client_class()(base_url=base_url, api_key=api_key, **kwargs)  # AsyncOpenAI, lighter chat requests
             clients[key] = client
         return client
 

@@ -9,9 +9,9 @@ microsecond it spends per request on rendering, validation, tokenising, building
 JSON is taken from the engine. Here the engine answers at once with a fixed 128-token sample, so
 what is left is exactly that per-request cost. The server is the one LocalBackend runs:
 `create_app` over an async registry with a bearer key, `start_server` (uvicorn on 127.0.0.1), on a
-`BackgroundLoop` thread as in a notebook; the client is the real `openai.AsyncOpenAI` on the main
-thread, calling the app without a socket as `model.openai_client()` does (`--transport inprocess`, the
-default) or over loopback HTTP as any other client (`--transport http`). Three calls: what a rollout makes (`create(model, messages, max_tokens)`), the same with
+`BackgroundLoop` thread as in a notebook; the client is the one `model.openai_client()` makes (the SDK's
+`AsyncOpenAI`, its chat requests lightened by art_nb/chat_client.py) on the main thread, calling the app
+without a socket (`--transport inprocess`, the default) or over loopback HTTP (`--transport http`). Three calls: what a rollout makes (`create(model, messages, max_tokens)`), the same with
 `logprobs=True`, and `stream=True` (consumed to the end).
 
 Each run sends `--requests` requests, `CONC` at a time, with tic-tac-toe prompts (first and third
@@ -182,14 +182,26 @@ class Bench:
         self.server_ident = self.loop.run_sync(_ident(), timeout=5)
 
     def client(self) -> Any:
-        import openai
-
         # "inprocess": what model.openai_client() hands a rollout for a LocalBackend in this process
         extra = {"http_client": self.server.in_process_http_client()} if self.transport == "inprocess" else {}
-        return openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.key, max_retries=0, timeout=120, **extra)
+        return client_class()(base_url=self.server.base_url, api_key=self.key, max_retries=0, timeout=120, **extra)
 
     def close(self) -> None:
         self.loop.run_sync(self.server.stop(), timeout=30)
+
+
+def client_class() -> type:
+    """The class `model.openai_client()` builds: art_nb's chat client (art_nb/chat_client.py), or the SDK's
+    `AsyncOpenAI` in a tree from before it (`--art-nb-root`)."""
+    import art_nb
+
+    if not (Path(art_nb.__file__).parent / "chat_client.py").exists():  # an editable install would still import ours
+        import openai
+
+        return openai.AsyncOpenAI
+    from art_nb.chat_client import chat_client_class
+
+    return chat_client_class()
 
 
 async def _ident() -> int:
@@ -222,10 +234,11 @@ async def measure(bench: Bench, kinds: list[str], concurrencies: list[int], requ
     return out
 
 
-async def client_alone(requests: int, repeats: int, concurrency: int) -> dict[str, Any]:
+async def client_alone(requests: int, repeats: int, concurrency: int, cls: type) -> dict[str, Any]:
     """The openai client's own CPU per request, with no server behind it: a transport that answers every
     request at once with a completion of the endpoint's shape (128 token ids, the prompt's ids). What is
-    left of `client_cpu_us` above is the hop to the app and back."""
+    left of `client_cpu_us` above is the hop to the app and back. `cls`: the SDK's `AsyncOpenAI` or
+    art_nb's chat client."""
     import openai
 
     from art_nb.local.server.inprocess import _httpx_of_openai
@@ -242,7 +255,7 @@ async def client_alone(requests: int, repeats: int, concurrency: int) -> dict[st
             await request.aread()
             return httpx.Response(200, headers=[(b"content-type", b"application/json")], content=body, request=request)
 
-    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k", max_retries=0,
+    client = cls(base_url="http://127.0.0.1:9/v1", api_key="k", max_retries=0,
                                 http_client=openai.DefaultAsyncHttpxClient(transport=AtOnce()))
     await asyncio.gather(*(call(client, "plain", m) for m in conversations(64, seed=999)))
     runs = []
@@ -331,9 +344,14 @@ def main() -> None:
         with results.section(args.label) as entry:
             entry.update(asyncio.run(measure(bench, args.kinds, args.concurrency, args.requests, args.repeats)))
             entry["summary"] = "see the table"
-        with results.section("openai_client_alone") as entry:
-            entry.update(asyncio.run(client_alone(args.requests, args.repeats, max(args.concurrency))))
-            entry["summary"] = f"{entry['median_client_cpu_us']:.0f} us of client CPU per request with no server"
+        import openai
+
+        for name, cls in (("openai_client_alone", openai.AsyncOpenAI), ("art_nb_client_alone", client_class())):
+            if name == "art_nb_client_alone" and cls is openai.AsyncOpenAI:
+                continue  # a tree from before art_nb's chat client
+            with results.section(name) as entry:
+                entry.update(asyncio.run(client_alone(args.requests, args.repeats, max(args.concurrency), cls)))
+                entry["summary"] = f"{entry['median_client_cpu_us']:.0f} us of client CPU per request with no server"
         if args.baseline is not None:
             before = json.loads(args.baseline.read_text())
             results.data["baseline"] = before

@@ -170,7 +170,9 @@ def _per_request(d: dict[str, Any]) -> str:
     cpu = lambda s, n: s.get(f"plain@{n}", {}).get("median_process_cpu_us", 0) / 1000
     text = f"{d.get('transport')}: " + " / ".join(f"{cpu(mine, n):.1f}" for n in levels)
     if other:
-        text += f" ms CPU per request vs {d['baseline'].get('transport')} " + " / ".join(f"{cpu(other, n):.1f}" for n in levels)
+        base = d["baseline"]
+        text += (f" ms CPU per request vs {base.get('label', 'baseline')} ({base.get('transport')}) "
+                 + " / ".join(f"{cpu(other, n):.1f}" for n in levels))
     return text + " ms at " + " / ".join(map(str, levels)) + " concurrent"
 
 
