@@ -34,10 +34,9 @@ def json_ready(value: Any) -> Any:
     unset values (`omit`, `NOT_GIVEN`) left out of mappings, pydantic models dumped as it dumps them,
     other iterables (tuples, generators) made lists."""
     import pydantic
-    from openai import NotGiven, Omit
 
     if isinstance(value, Mapping):
-        return {key: json_ready(item) for key, item in value.items() if not isinstance(item, (NotGiven, Omit))}
+        return {key: json_ready(item) for key, item in value.items() if not isinstance(item, _unset_types())}
     if isinstance(value, pydantic.BaseModel):
         # third-party: the SDK's models name fields its requests leave out (`__api_exclude__`); most have none
         return value.model_dump(mode="json", exclude_unset=True, exclude=getattr(value, "__api_exclude__", None))
@@ -47,16 +46,26 @@ def json_ready(value: Any) -> Any:
 
 
 @functools.cache
+def _unset_types() -> tuple[type, ...]:
+    """The SDK's markers of an argument not given: `NotGiven`, and `Omit` where it is public (openai 1.40 has
+    only the first)."""
+    import openai
+
+    # third-party: `Omit` became a public name of the openai package after 1.40
+    return tuple(marker for marker in (openai.NotGiven, getattr(openai, "Omit", None)) if marker is not None)
+
+
+@functools.cache
 def chat_client_class() -> type:
     """The `AsyncOpenAI` subclass (made on first use: openai is imported lazily)."""
-    from openai import AsyncOpenAI, NotGiven, Omit
+    from openai import AsyncOpenAI
     from openai.resources.chat import AsyncChat, AsyncCompletions
 
     class ChatCompletions(AsyncCompletions):
         async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
             extra = kwargs.get("extra_body")
             moved = {name: kwargs[name] for name in _MOVED
-                     if name in kwargs and not isinstance(kwargs[name], (NotGiven, Omit))}
+                     if name in kwargs and not isinstance(kwargs[name], _unset_types())}
             if moved and (extra is None or isinstance(extra, Mapping)):
                 kwargs["extra_body"] = {**{name: json_ready(value) for name, value in moved.items()}, **(extra or {})}
                 kwargs.update(dict.fromkeys(moved, []))
@@ -70,6 +79,11 @@ def chat_client_class() -> type:
     class ArtNbOpenAI(AsyncOpenAI):
         """`AsyncOpenAI`, with `chat.completions.create` sending messages and tools as described in
         art_nb.chat_client."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if "chat" in vars(self):  # third-party: openai 1.x before its lazy resources built them in __init__
+                self.chat = Chat(self)
 
         @functools.cached_property
         def chat(self) -> AsyncChat:  # type: ignore[override]

@@ -107,7 +107,11 @@ def test_the_same_bytes_reach_the_server_as_from_the_sdks_own_client() -> None:
 
 
 def test_the_sdks_walk_sees_no_messages_also_through_the_raw_wrapper_and_copies(monkeypatch) -> None:
-    from openai.resources.chat.completions import completions as sdk
+    import sys
+
+    from openai.resources.chat import AsyncCompletions
+
+    sdk = sys.modules[AsyncCompletions.__module__]  # where `create` looks the transform up (its path moved in openai 2)
 
     walked: list[Any] = []
     real = sdk.async_maybe_transform
