@@ -35,14 +35,19 @@ def json_ready(value: Any) -> Any:
     other iterables (tuples, generators) made lists."""
     import pydantic
 
-    if isinstance(value, Mapping):
-        return {key: json_ready(item) for key, item in value.items() if not isinstance(item, _unset_types())}
-    if isinstance(value, pydantic.BaseModel):
-        # third-party: the SDK's models name fields its requests leave out (`__api_exclude__`); most have none
-        return value.model_dump(mode="json", exclude_unset=True, exclude=getattr(value, "__api_exclude__", None))
-    if isinstance(value, Iterable) and not isinstance(value, (str, bytes, bytearray)):
-        return [json_ready(item) for item in value]
-    return value
+    unset, model = _unset_types(), pydantic.BaseModel  # looked up once, not at every element
+
+    def ready(item: Any) -> Any:
+        if isinstance(item, Mapping):
+            return {key: ready(inner) for key, inner in item.items() if not isinstance(inner, unset)}
+        if isinstance(item, model):
+            # third-party: the SDK's models name fields its requests leave out (`__api_exclude__`); most have none
+            return item.model_dump(mode="json", exclude_unset=True, exclude=getattr(item, "__api_exclude__", None))
+        if isinstance(item, Iterable) and not isinstance(item, (str, bytes, bytearray)):
+            return [ready(inner) for inner in item]
+        return item
+
+    return ready(value)
 
 
 @functools.cache
