@@ -277,17 +277,26 @@ async def client_alone(requests: int, repeats: int, concurrency: int, cls: type)
 async def profile(bench: Bench, kind: str, concurrency: int, requests: int) -> str:
     client = bench.client()
     await asyncio.gather(*(call(client, kind, m) for m in conversations(64, seed=999)))
-    server_prof, client_prof = cProfile.Profile(), cProfile.Profile()
-    bench.loop.loop.call_soon_threadsafe(server_prof.enable)  # cProfile hooks the thread that enables it
-    await asyncio.sleep(0.05)
-    client_prof.enable()
-    await one_run(client, kind, concurrency, conversations(requests, seed=7), bench.server_ident)
-    client_prof.disable()
-    bench.loop.loop.call_soon_threadsafe(server_prof.disable)
-    await asyncio.sleep(0.05)
-    await client.close()
+    prompts = conversations(requests, seed=7)
     text = io.StringIO()
-    for name, prof in (("SERVER thread", server_prof), ("CLIENT thread", client_prof)):
+    if sys.version_info >= (3, 12):  # cProfile runs on sys.monitoring there: one profiler, every thread
+        both = cProfile.Profile()
+        both.enable()
+        await one_run(client, kind, concurrency, prompts, bench.server_ident)
+        both.disable()
+        profiles = [("SERVER and CLIENT threads", both)]
+    else:  # cProfile hooks the thread that enables it
+        server_prof, client_prof = cProfile.Profile(), cProfile.Profile()
+        bench.loop.loop.call_soon_threadsafe(server_prof.enable)
+        await asyncio.sleep(0.05)
+        client_prof.enable()
+        await one_run(client, kind, concurrency, prompts, bench.server_ident)
+        client_prof.disable()
+        bench.loop.loop.call_soon_threadsafe(server_prof.disable)
+        await asyncio.sleep(0.05)
+        profiles = [("SERVER thread", server_prof), ("CLIENT thread", client_prof)]
+    await client.close()
+    for name, prof in profiles:
         text.write(f"==== {name}: {kind} at {concurrency} concurrent, {requests} requests ====\n")
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     return text.getvalue()

@@ -17,10 +17,10 @@ Same GPU, same cap, same model, same work per step, in one run, each side in its
   the T4 set installed (vLLM 0.11.2, the release Unsloth's notebooks install on a T4); on the H200 it is
   the staged vLLM 0.25, as for Unsloth's side, serving NF4 weights beside the 4-bit trainer and planning
   its share within the cap. `hf` is the transformers engine (a T4 without vLLM).
-- `art_settled`, `art_in_memory`, `art_pinned`, `art_compiled` (asked for by name with `--parts`): art_nb's
+- `art_settled`, `art_in_memory`, `art_compiled` (asked for by name with `--parts`): art_nb's
   side with one thing changed, to find where its gap to Unsloth comes from (`ART_VARIANTS`): the rollouts
   wait for the previous step's checkpoint instead of decoding while it is written; that checkpoint kept on
-  /dev/shm; its host copies page-locked; vLLM compiled with torch.compile (FULL_AND_PIECEWISE graphs, as
+  /dev/shm; vLLM compiled with torch.compile (FULL_AND_PIECEWISE graphs, as
   Unsloth's engine), its size pass repaired on vLLM 0.19-0.31 (`vllm_size_pass.py`). Unsloth's side records
   the seconds in vLLM's `generate` per step, so both sides' steps split into decoding and the rest.
 
@@ -81,17 +81,15 @@ from _common import (
     weights_note,
 )
 
-# art_nb's side as it ships ("art"), and variants that each test one cause of its gap to Unsloth: the
-# previous step's checkpoint written while the rollouts decode ("art_settled" waits for it before them: on
-# the H200 its rollouts took ~2.5 s instead of ~3.5 s); of that checkpoint, the disk ("art_in_memory" keeps
-# the store on /dev/shm: the host copy and the serialising stay, the disk and its fsync go) and its host copy
-# ("art_pinned" copies into page-locked memory, which the caching host allocator reuses step after step: a
-# full-speed transfer, no fresh pages to fault in); and vLLM without torch.compile ("art_compiled" compiles,
-# as Unsloth's engine does, vLLM's size pass repaired).
+# art_nb's side as it ships ("art"), and variants that each test one cause of a gap to Unsloth: the previous
+# step's checkpoint written while the rollouts decode ("art_settled" waits for it before them); of that
+# checkpoint, the disk ("art_in_memory" keeps the store on /dev/shm: the host copy and the serialising stay,
+# the disk and its fsync go); and vLLM without torch.compile ("art_compiled" compiles, as Unsloth's engine
+# does, vLLM's size pass repaired). The host copy was the gap: copied into pageable memory it slowed the
+# rollouts beside it by ~1.2 s a step; art_nb now copies into page-locked memory (engines.base.packed_copies).
 ART_VARIANTS: dict[str, dict[str, Any]] = {"art": {"startup": "fast", "settle": False},
                                            "art_settled": {"startup": "fast", "settle": True},
                                            "art_in_memory": {"startup": "fast", "settle": False, "store": "/dev/shm"},
-                                           "art_pinned": {"startup": "fast", "settle": False, "pinned": True},
                                            "art_compiled": {"startup": "compiled", "settle": False}}
 PARTS = ("unsloth", *ART_VARIANTS)
 # Unsloth's Qwen2.5-3B GRPO notebook.
@@ -101,7 +99,7 @@ RECIPE: dict[str, Any] = {
     "adam_beta2": 0.99, "weight_decay": 0.1, "max_grad_norm": 0.1, "optim": "adamw_8bit",
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-PART_BUDGET_S = {"unsloth": 290, "art": 190, "art_settled": 190, "art_in_memory": 190, "art_pinned": 190, "art_compiled": 250}  # H200, 5 steps: start-up, compile, steps
+PART_BUDGET_S = {"unsloth": 290, "art": 190, "art_settled": 190, "art_in_memory": 190, "art_compiled": 250}  # H200, 5 steps: start-up, compile, steps
 GENERATE_S: list[float] = []  # seconds of each `vllm.LLM.generate` call on Unsloth's side
 
 
@@ -320,8 +318,6 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
     import art_nb as art
 
     engine = args.art_engine if on_gpu else "hf"
-    if variant.get("pinned"):
-        pin_checkpoint_copies()
     if engine == "vllm":
         os.environ.update(startup_env(variant["startup"]))
         if variant["startup"] == "compiled":
@@ -391,19 +387,6 @@ async def art_part(args: argparse.Namespace, write: Any) -> dict[str, Any]:
 def run_one_part(args: argparse.Namespace) -> None:
     measure_part(args.out, args.part,
                  lambda write: unsloth_part(args, write) if args.part == "unsloth" else asyncio.run(art_part(args, write)))
-
-
-def pin_checkpoint_copies() -> None:
-    """Make the checkpoint's host copies (adapter and optimizer state) page-locked, as vLLM's adapter copy is."""
-    from art_nb.local.engines import base
-    from art_nb.local.trainers import peft_trainer
-
-    copies = base.packed_copies
-
-    def pinned(tensors: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        return copies(tensors, **{**kwargs, "pinned": kwargs.get("pinned") or kwargs.get("to_host", False)})
-
-    base.packed_copies = peft_trainer.packed_copies = pinned  # both call it by their module's name
 
 
 def repair_vllm_size_pass() -> bool:

@@ -239,6 +239,8 @@ async def test_train_step_while_requests_arrive(stack):
     if engine._from_memory:  # handed over on the GPU; once the checkpoint is written the host copy replaces it
         held = [t for weights in engine._held.values() for t in weights.tensors.values()]
         assert held and all(t.device.type == "cpu" for t in held), "the adapter's GPU copy outlived its checkpoint"
+        # page-locked: a pageable copy beside the rollouts slowed them ~1.2 s a step (engines.base.packed_copies)
+        assert all(t.is_pinned() for t in held), "the checkpoint's host copy is pageable"
     # The endpoint now serves step 1 as "gpu" and "gpu@1"; "gpu@0" is still the base.
     assert (await served(f"{NAME}@0"))[0] == base_ids
     trained_ids, trained_logprobs = await served(NAME)

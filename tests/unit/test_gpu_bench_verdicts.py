@@ -291,16 +291,3 @@ def test_the_size_pass_repair_turns_sizes_by_dimension_into_functions_and_keeps_
     assert torch.equal(graph(x), expected)
     assert graph(torch.randn(7, 2)).shape == expected.shape
 
-
-def test_t4_pinned_variant_makes_every_host_copy_of_the_checkpoint_page_locked(monkeypatch) -> None:
-    t4 = load("gpu_t4_vs_unsloth")
-    from art_nb.local.engines import base
-    from art_nb.local.trainers import peft_trainer
-
-    asked: list[dict[str, Any]] = []
-    monkeypatch.setattr(base, "packed_copies", lambda tensors, **kwargs: asked.append(kwargs) or dict(tensors))
-    monkeypatch.setattr(peft_trainer, "packed_copies", base.packed_copies)
-    t4.pin_checkpoint_copies()
-    peft_trainer.packed_copies({}, to_host=True, what="optimizer state")
-    base.packed_copies({}, to_host=False)  # the copy handed to the engine stays on the device, unpinned
-    assert asked == [{"to_host": True, "what": "optimizer state", "pinned": True}, {"to_host": False, "pinned": False}]

@@ -100,7 +100,7 @@ def test_copies_for_vllm_are_in_the_lora_dtype_packed_and_not_shared_with_the_tr
     from art_nb.local.engines.base import packed_copies
 
     tensors = {"a": torch.randn(16, 8), "b": torch.randn(8, 16).t(), "c": torch.randn(3, dtype=torch.float64)}
-    copies = packed_copies(tensors, to_host=True, pinned=True, dtype=torch.bfloat16)  # as vllm_lora asks (pinned: on a GPU)
+    copies = packed_copies(tensors, to_host=True, dtype=torch.bfloat16)  # as vllm_lora asks
     assert list(copies) == list(tensors) and all(c.dtype == torch.bfloat16 for c in copies.values())
     assert all(torch.equal(copies[k], t.to(torch.bfloat16)) and copies[k].shape == t.shape for k, t in tensors.items())
     assert len({c.untyped_storage().data_ptr() for c in copies.values()}) == 1  # one buffer: one transfer to a GPU
@@ -109,6 +109,19 @@ def test_copies_for_vllm_are_in_the_lora_dtype_packed_and_not_shared_with_the_tr
     assert torch.equal(tensors["a"], original)
     unresolved = packed_copies(tensors, to_host=True)  # a dtype vLLM has not resolved: each keeps its own
     assert unresolved["c"].dtype == torch.float64 and torch.equal(unresolved["b"], tensors["b"])
+
+
+def test_host_copy_falls_back_to_pageable_memory_where_none_can_be_locked() -> None:
+    """Page-locked memory needs an accelerator's allocator (and the host's room to lock it): without it the
+    checkpoint is still copied and written, only slower."""
+    from art_nb.local.engines.base import _page_locked
+
+    if torch.cuda.is_available():
+        pytest.skip("this host can lock memory")
+    with pytest.raises(RuntimeError):
+        torch.empty(3, pin_memory=True)
+    flat = torch.arange(6.0)
+    assert torch.equal(_page_locked(flat), flat)
 
 
 def test_on_host_gives_host_tensors_and_refuses_nonfinite_ones() -> None:

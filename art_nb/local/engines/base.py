@@ -106,13 +106,19 @@ class AdapterWeights:
 
 
 def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str | None = None,
-                  dtype: Any = None, pinned: bool = False) -> dict[str, Any]:
+                  dtype: Any = None) -> dict[str, Any]:
     """Private copies of `tensors` (in `dtype` if given), packed per device and dtype into one new
     buffer on their device; with `what`, checked there for NaN/inf (one sync; ValueError "non-finite
     {what}" naming the first bad one); with `to_host`, copied to the host in one transfer (a copy per
-    tensor would wait on the device each time), into page-locked memory with `pinned` when the tensors
-    are on a GPU (a reader that pins each tensor, as vLLM's LoRA loader does, then finds them pinned
-    and copies nothing). The copies are views of that buffer."""
+    tensor would wait on the device each time). The copies are views of that buffer.
+
+    A GPU's tensors land in page-locked memory, which torch's host allocator keeps and reuses step
+    after step. A copy into pageable memory runs at a fraction of the bus's speed and holds up the
+    GPU's other work meanwhile: on an H200, the checkpoint of a rank-64 LoRA on a 3B model (~1.5 GB
+    with its AdamW state) written that way beside the rollouts made them 3.6 s instead of 2.4 s a step
+    (bench/results/h200/t4_checkpoint_pinned/). vLLM's LoRA loader also pins each tensor it builds on
+    the host, and skips those already pinned.
+    """
     import torch
 
     by_kind: dict[tuple[Any, Any], list[str]] = {}
@@ -127,13 +133,23 @@ def packed_copies(tensors: dict[str, Any], *, to_host: bool, what: str | None = 
             bad = next((name for name in names if not bool(torch.isfinite(tensors[name]).all())), None)
             if bad is not None:
                 raise ValueError(f"refusing to save non-finite {what} ({bad})")
-        if to_host and pinned and flat.is_cuda:
-            flat = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True).copy_(flat)
-        elif to_host:
-            flat = flat.cpu()
+        if to_host and flat.is_cuda:
+            flat = _page_locked(flat)
         pieces = flat.split([tensors[name].numel() for name in names])
         copied.update((name, piece.view(tensors[name].shape)) for name, piece in zip(names, pieces, strict=True))
     return {name: copied[name] for name in tensors}
+
+
+def _page_locked(flat: Any) -> Any:
+    """`flat`, a GPU tensor, copied into page-locked host memory; into pageable memory where the host
+    cannot lock that much (slower, as above, but the copy is still made)."""
+    import torch
+
+    try:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    except RuntimeError:
+        return flat.cpu()
+    return host.copy_(flat)
 
 
 @runtime_checkable

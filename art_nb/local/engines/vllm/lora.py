@@ -114,11 +114,11 @@ def _from_tensors(manager: Any, lora_request: Any, weights: AdapterWeights) -> A
     # H200 checks, never when built on the host (tests/gpu/check_vllm_memory_adapter.py).
     # Copies, because vLLM scales lora_b in place (LoRALayerWeights.optimize) and these tensors are also
     # the checkpoint being written: converted to vLLM's LoRA dtype where they are (a step's adapter is
-    # still on the trainer's GPU), then to the host in one transfer, into page-locked memory: vLLM pins
-    # each LoRA tensor it builds on the host (~500 at 3B, r16, every linear layer) and skips the ones
-    # already pinned. `dict(...)`: one view of them, as the checkpoint writer may swap in host copies meanwhile.
+    # still on the trainer's GPU), then to the host in one transfer, into page-locked memory (vLLM pins
+    # each LoRA tensor it builds on the host, ~500 at 3B, r16, every linear layer, and skips the ones
+    # already pinned). `dict(...)`: one view of them, as the checkpoint writer may swap in host copies meanwhile.
     lora_dtype = manager.lora_config.lora_dtype
-    tensors = packed_copies(dict(weights.tensors), to_host=True, pinned=True,
+    tensors = packed_copies(dict(weights.tensors), to_host=True,
                             dtype=lora_dtype if isinstance(lora_dtype, torch.dtype) else None)
     if legacy:  # vLLM 0.11's _load_adapter: embedding LoRAs padded to the vocabulary and its extra slots
         layout = {"target_embedding_padding": manager.vocab_size + manager.lora_config.lora_extra_vocab_size,
