@@ -28,6 +28,10 @@ __all__ = ["encode"]
 _log = logging.getLogger(__name__)
 _MAX_PIECES = 16384  # cached pieces per tokenizer, least recently used dropped first
 _MAX_PIECE_CHARS = 32768  # a longer piece (a large tool result) is tokenised but not kept
+# New text up to this long is tokenised holding the GIL (~1 us a character). `encode_batch` releases it and
+# must get it back: beside the engine's thread and a client building requests that is a wait of up to the
+# interpreter's switch interval (5 ms) each time, which held back requests reaching the engine in a wave.
+_RELEASE_GIL_CHARS = 4096
 
 
 class _PieceEncoder:
@@ -54,10 +58,11 @@ class _PieceEncoder:
     def encode(self, text: str) -> list[int]:
         pieces, cache, ids = self.split(text), self.cache, self.ids
         missing = list(dict.fromkeys(p for p in pieces if p and p not in ids and p not in cache))
-        fresh = {}
-        if missing:  # one call for all of them: it releases the GIL while it works
+        if sum(map(len, missing)) > _RELEASE_GIL_CHARS:  # one call for all of them, the GIL released
             encodings = self.backend.encode_batch(missing, add_special_tokens=False)
-            fresh = {piece: encoding.ids for piece, encoding in zip(missing, encodings, strict=True)}
+        else:
+            encodings = [self.backend.encode(piece, add_special_tokens=False) for piece in missing]
+        fresh = {piece: encoding.ids for piece, encoding in zip(missing, encodings, strict=True)}
         out: list[int] = []
         for piece in pieces:
             if not piece:
