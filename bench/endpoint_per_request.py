@@ -286,7 +286,7 @@ async def profile(bench: Bench, kind: str, concurrency: int, requests: int) -> s
         both.disable()
         profiles = [("SERVER and CLIENT threads", both)]
     else:  # cProfile hooks the thread that enables it
-        server_prof, client_prof = cProfile.Profile(), cProfile.Profile()
+        server_prof, client_prof = cProfile.Profile(time.thread_time), cProfile.Profile(time.thread_time)
         bench.loop.loop.call_soon_threadsafe(server_prof.enable)
         await asyncio.sleep(0.05)
         client_prof.enable()
