@@ -1,25 +1,26 @@
 """A GPU's rollout wave modelled on a CPU: what the endpoint costs beside vLLM's step loop, and what
-freezing register's heap out of the garbage collector saves.
+gathering a burst of requests into one step saves.
 
     .venv/bin/python bench/endpoint_wave_cpu.py [--batch-sizes 64 256] [--repeats 5] [--gpu-ms 6]
-        [--out bench/results/endpoint_wave_cpu.json]
+        [--python-ms 0.8] [--prefill-ms 0] [--out bench/results/endpoint_wave_cpu.json]
 
 On the GPU, the endpoint, the notebook's OpenAI client and vLLM's engine thread share one process: a
 decode step is a few ms of GPU work (the GIL released) between short Python stretches, and every
 microsecond the request path spends holding the GIL, or a garbage-collector pass stops every thread
 for, delays the next step. This runs that shape without a GPU: art_nb's own `VLLMThread` steps a core
-whose `step()` spins `--python-ms` (the step's Python) and sleeps `--gpu-ms` (the GPU, GIL released);
-every request ends after 128 steps, as `ignore_eos` + `max_tokens=128` make vLLM's. The request path
+whose `step()` spins `--python-ms` (the step's Python) and sleeps `--gpu-ms` (the GPU, GIL released),
+and spins `--prefill-ms` more in a step that takes new requests in (on a GPU their prefill runs outside the
+decode CUDA graphs, its kernels launched one by one from Python); every request ends after 128 steps, as `ignore_eos` + `max_tokens=128` make vLLM's. The request path
 is the real one: `create_app` on its loop thread, the real `openai.AsyncOpenAI` through the in-process
 client (what `model.openai_client()` returns), tic-tac-toe prompts through the SmolLM2 tokenizer. The
 process holds torch, transformers and peft, as a registered model's does.
 
 Three modes per batch size, interleaved repeat by repeat (median of >= 3 with the spread, per-round
 ratios): `engine_direct` (B requests to the engine, no HTTP), `endpoint` (B `chat.completions.create`
-calls, heap frozen after set-up, as LocalBackend does after register), `endpoint_unfrozen` (the same
-with the heap given back to the collector for the run: art_nb before the freeze). Each run records
-steps, the time before the first and after the last step, when requests reached the engine, and the
-collector's passes (count and seconds, the oldest generation apart).
+calls, heap frozen after set-up, as LocalBackend does after register), `endpoint_ungathered` (the same
+with the thread admitting each request at once, `Gather(0, 0)`, instead of gathering a burst). Each run
+records steps, the steps that took requests in, the time before the first and after the last step, when
+requests reached the engine, and the collector's passes (count and seconds, the oldest generation apart).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MIN_REPEATS, ROOT, GcPasses, Results, head_to_head, tokenizer_dir  # noqa: E402
 from endpoint_per_request import TOKENS, Bench, InstantEngine, call, conversations  # noqa: E402
 
-MODES = ("engine_direct", "endpoint", "endpoint_unfrozen")
+MODES = ("engine_direct", "endpoint", "endpoint_ungathered")
 
 
 class _Finished:
@@ -48,23 +49,27 @@ class _Finished:
 class SteppedCore:
     """vLLM's LLMEngine as VLLMThread sees it: add_request, then step() until each request has 128 tokens."""
 
-    def __init__(self, python_s: float, gpu_s: float) -> None:
-        self.python_s, self.gpu_s = python_s, gpu_s
+    def __init__(self, python_s: float, gpu_s: float, prefill_s: float) -> None:
+        self.python_s, self.gpu_s, self.prefill_s = python_s, gpu_s, prefill_s
         self.open: dict[str, int] = {}
+        self.fresh = False  # a request was added since the last step: this step prefills it
         self.spans: list[tuple[float, float]] = []
         self.adds: list[float] = []
 
     def add_request(self, request_id: str) -> None:
         self.adds.append(time.perf_counter())
         self.open[request_id] = 0
+        self.fresh = True
 
     def step(self) -> list[_Finished]:
         start = time.perf_counter()
-        while time.perf_counter() - start < self.python_s / 2:  # schedule and prepare: Python, GIL held
+        python_s = self.python_s + (self.prefill_s if self.fresh else 0.0)  # a prefill: kernels launched one by one
+        self.fresh = False
+        while time.perf_counter() - start < python_s / 2:  # schedule and prepare: Python, GIL held
             pass
         time.sleep(self.gpu_s)  # the GPU: GIL released
         middle = time.perf_counter()
-        while time.perf_counter() - middle < self.python_s / 2:  # sample and build outputs
+        while time.perf_counter() - middle < python_s / 2:  # sample and build outputs
             pass
         done = []
         for request_id in list(self.open):
@@ -79,11 +84,11 @@ class SteppedCore:
 class SteppedEngine(InstantEngine):
     """The endpoint's Engine protocol over `SteppedCore`, driven by art_nb's own VLLMThread."""
 
-    def __init__(self, tokenizer: Any, python_s: float, gpu_s: float) -> None:
+    def __init__(self, tokenizer: Any, python_s: float, gpu_s: float, prefill_s: float) -> None:
         from art_nb.local.engines.vllm.thread import VLLMThread
 
         super().__init__(tokenizer)
-        self.core = SteppedCore(python_s, gpu_s)
+        self.core = SteppedCore(python_s, gpu_s, prefill_s)
         self.thread = VLLMThread()
         self.thread.attach(self.core.step, lambda: None, lambda exc: None)
         self.ids_made = 0
@@ -101,12 +106,14 @@ class SteppedEngine(InstantEngine):
 
 async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch: int, seed: int) -> dict[str, Any]:
     from art_nb.local.engines.base import GenerationRequest, SamplingParams
+    from art_nb.local.engines.vllm.thread import Gather
 
     prompts = conversations(batch, seed)
     engine = bench.engine
     core = engine.core
-    if mode == "endpoint_unfrozen":
-        gc.unfreeze()
+    gather = engine.thread.gather
+    if mode == "endpoint_ungathered":
+        engine.thread.gather = Gather(0, 0)
     core.spans, core.adds = [], []
     passes.begin()
     mark = time.perf_counter()
@@ -123,10 +130,12 @@ async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch:
         done = time.perf_counter()
     finally:
         collected = passes.end()
-        if mode == "endpoint_unfrozen":
-            gc.freeze()
+        engine.thread.gather = gather
     return {"wall_s": round(done - mark, 4), "steps": len(core.spans), "lead_s": round(core.spans[0][0] - mark, 4),
-            "tail_s": round(done - core.spans[-1][1], 4), "last_add_s": round(core.adds[-1] - mark, 4), **collected}
+            "tail_s": round(done - core.spans[-1][1], 4), "last_add_s": round(core.adds[-1] - mark, 4),
+            "admitting_steps": sum(1 for i, (start, _) in enumerate(core.spans)
+                                   if any((core.spans[i - 1][0] if i else mark) <= t < start for t in core.adds)),
+            **collected}
 
 
 async def measure(args: argparse.Namespace, results: Results) -> None:
@@ -135,7 +144,8 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
     import transformers  # noqa: F401
 
     bench = Bench(args.model or tokenizer_dir(),
-                  make_engine=lambda tokenizer: SteppedEngine(tokenizer, args.python_ms / 1000, args.gpu_ms / 1000))
+                  make_engine=lambda tokenizer: SteppedEngine(tokenizer, args.python_ms / 1000, args.gpu_ms / 1000,
+                                                              args.prefill_ms / 1000))
     client = bench.client()
     passes = GcPasses()
     for batch in args.batch_sizes:  # warm-up: template compilation, connections, per-size caches
@@ -155,7 +165,7 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
             medians = {m: statistics.median(r["wall_s"] for r in runs[m]) for m in MODES}
             entry["gc2_s_total"] = {m: round(sum(r["gc2_s"] for r in runs[m]), 4) for m in MODES}
             entry["summary"] = (f"engine_direct / endpoint {medians['engine_direct'] / medians['endpoint']:.3f}, "
-                                f"engine_direct / endpoint_unfrozen {medians['engine_direct'] / medians['endpoint_unfrozen']:.3f}; "
+                                f"engine_direct / endpoint_ungathered {medians['engine_direct'] / medians['endpoint_ungathered']:.3f}; "
                                 f"oldest-generation GC seconds over {args.repeats} waves: {entry['gc2_s_total']}")
     await client.close()
     bench.close()
@@ -167,6 +177,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gpu-ms", type=float, default=6.0, help="a decode step's GPU time (GIL released)")
     parser.add_argument("--python-ms", type=float, default=0.8, help="a decode step's Python (GIL held)")
+    parser.add_argument("--prefill-ms", type=float, default=0.0,
+                        help="more Python (GIL held) in a step that takes new requests in (eager prefill)")
     parser.add_argument("--model", type=Path, default=None, help="a folder with the tokenizer (default: SmolLM2)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "endpoint_wave_cpu.json")
     args = parser.parse_args()
@@ -174,7 +186,7 @@ def main() -> None:
         parser.error(f"--repeats must be at least {MIN_REPEATS}")
     results = Results(args.out, benchmark="endpoint_wave_cpu", command=" ".join(["python", *sys.argv]),
                       settings={"batch_sizes": args.batch_sizes, "repeats": args.repeats, "gpu_ms": args.gpu_ms,
-                                "python_ms": args.python_ms, "tokens": TOKENS, "modes": list(MODES)})
+                                "python_ms": args.python_ms, "prefill_ms": args.prefill_ms, "tokens": TOKENS, "modes": list(MODES)})
     asyncio.run(measure(args, results))
 
 

@@ -18,13 +18,16 @@ Per start-up mode, two parts, each in its own process:
   HEADLINE; `endpoint_logprobs`, the same with `logprobs=True` (OpenAI's per-token logprob objects as
   well); `endpoint_http`, the headline call from a plain `AsyncOpenAI(base_url=...)` over loopback HTTP
   (any other client; every client before the in-process one); `engine_direct`, the same requests to
-  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's.
+  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's; `endpoint_ungathered`, the
+  headline with the vLLM thread admitting each request at once instead of gathering a burst (thread.py).
 - `art_hf` (not run unless asked): the transformers engine's endpoint, for contrast.
 
 Every vLLM run also times each `step()` of the engine (the `step` attribute of the `LLMEngine` is
 wrapped for the part's lifetime) and stores per repeat the step count, time inside `step()`, the
 gaps between steps, and the time before the first and after the last step: a slower engine shows
 inside `step()`, a slower driver in the gaps, per-request cost before the first and after the last.
+It also counts the steps that took new requests in (`admitting_steps`: their prefill runs outside the
+decode CUDA graphs) and their seconds.
 
 Device seconds are scarce, so: each batch size is warmed up with a short run (16 tokens), the
 sides of a ratio (`plain`, `endpoint`, `endpoint_http`, `engine_direct`) get `--repeats` runs (3: a
@@ -49,8 +52,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
-import gc
 import itertools
 import math
 import os
@@ -85,11 +88,11 @@ from _common import (
 )
 
 PARTS = ("plain_vllm", "art_vllm", "art_hf")
-# the first is the headline; "endpoint_unfrozen" is the headline call with register's heap given back to the
-# collector for the run (gc.unfreeze, then gc.freeze again), as before art_nb froze it: what the freeze saves
-ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct", "endpoint_unfrozen")
+# the first is the headline; "endpoint_ungathered" is the headline call with the vLLM thread admitting every
+# request at once (Gather(0, 0): each joins the next step), as before it gathered a burst: what gathering saves
+ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct", "endpoint_ungathered")
 HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
-HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct", "endpoint_unfrozen")  # each gets every repeat: median of >= 3, same run
+HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct", "endpoint_ungathered")  # each gets every repeat: median of >= 3, same run
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
 PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "art_hf": 240}
@@ -176,6 +179,7 @@ class Deadline:
 
 STEP_KEYS = ("steps", "step_s_mean", "step_s_median", "step_s_max", "gap_s_mean", "gap_s_median", "gap_s_max",
              "in_step_share", "lead_s", "tail_s", "first_add_s", "half_added_s", "last_add_s", "added_before_step_1",
+             "admitting_steps", "admitting_step_s", "add_gap_max_s",
              "gc_passes", "gc_s", "gc2_s", "gc2_count")
 Run = tuple[float, int, "dict[str, Any] | None"]  # wall seconds, completion tokens, step statistics (vLLM)
 
@@ -242,12 +246,23 @@ def step_stats(spans: list[tuple[float, float]], mark: float, done: float,
     if adds:
         arrivals = {"first_add_s": round(adds[0] - mark, 6), "half_added_s": round(adds[len(adds) // 2] - mark, 6),
                     "last_add_s": round(adds[-1] - mark, 6),
-                    "added_before_step_1": sum(1 for t in adds if t < spans[0][0])}
+                    "added_before_step_1": sum(1 for t in adds if t < spans[0][0]),
+                    **admitting(spans, adds)}
     return {**arrivals, "steps": len(spans), "step_s_mean": round(statistics.fmean(inside), 6),
             "step_s_median": round(statistics.median(inside), 6), "step_s_max": round(max(inside), 6),
             "gap_s_mean": round(statistics.fmean(gaps), 6), "gap_s_median": round(statistics.median(gaps), 6),
             "gap_s_max": round(max(gaps), 6), "in_step_share": round(sum(inside) / (done - mark), 4),
             "lead_s": round(spans[0][0] - mark, 6), "tail_s": round(done - spans[-1][1], 6)}
+
+
+def admitting(spans: list[tuple[float, float]], adds: list[float]) -> dict[str, Any]:
+    """The steps that took new requests in (an add since the step before began: their prefill runs outside
+    the decode CUDA graphs), their total seconds, and the longest wait between two adds."""
+    starts = [start for start, _ in spans]
+    taking = {bisect.bisect_left(starts, t) for t in adds}  # the first step to begin after each add
+    seconds = sum(spans[i][1] - spans[i][0] for i in taking if i < len(spans))
+    gaps = [b - a for a, b in itertools.pairwise(sorted(adds))] or [0.0]
+    return {"admitting_steps": len(taking), "admitting_step_s": round(seconds, 6), "add_gap_max_s": round(max(gaps), 6)}
 
 
 def allow_tracing() -> dict[str, Any]:
@@ -445,14 +460,20 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         seconds, steps = timer.end(mark)
         return seconds, sum(len(s[0].token_ids) for s in samples), steps
 
-    async def unfrozen(batch: int) -> Run:
-        gc.unfreeze()
+    async def ungathered(batch: int) -> Run:
+        from art_nb.local.engines.vllm.thread import Gather
+
+        thread = getattr(engine, "_thread", None)
+        before = getattr(thread, "gather", None)
+        if thread is not None:
+            thread.gather = Gather(0, 0)
         try:
             return await via_endpoint(batch)
         finally:
-            gc.freeze()
+            if thread is not None:
+                thread.gather = before
 
-    modes: dict[str, Any] = {"endpoint": via_endpoint, "endpoint_unfrozen": unfrozen,
+    modes: dict[str, Any] = {"endpoint": via_endpoint, "endpoint_ungathered": ungathered,
                              "endpoint_logprobs": lambda b: via_endpoint(b, logprobs=True),
                              "endpoint_http": lambda b: via_endpoint(b, http=True),
                              "engine_direct": lambda b: backend.loop.run(direct(b))}
@@ -588,7 +609,8 @@ def step_row(row: dict[str, Any] | None) -> dict[str, float | None]:
             "lead_ms": ms("lead_s"), "tail_ms": ms("tail_s"), "steps": _median(row["steps"]),
             "in_step_share": _median(row["in_step_share"]), "last_add_ms": ms("last_add_s"),
             "added_before_step_1": _median(row.get("added_before_step_1", [])), "gc_ms": ms("gc_s"),
-            "gc2_ms": ms("gc2_s")}
+            "gc2_ms": ms("gc2_s"), "admitting_steps": _median(row.get("admitting_steps", [])),
+            "admitting_step_ms": ms("admitting_step_s"), "add_gap_max_ms": ms("add_gap_max_s")}
 
 
 def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
@@ -612,7 +634,8 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
                     r[f"{name}_over_plain"] = round(rate / base, 3)
             timing = {name: step_row(v) for name, v in rows.items()}
             for key in ("ms_per_step", "in_step_ms", "gap_ms", "lead_ms", "tail_ms", "steps", "last_add_ms",
-                        "added_before_step_1", "gc_ms", "gc2_ms"):
+                        "added_before_step_1", "gc_ms", "gc2_ms", "admitting_steps", "admitting_step_ms",
+                        "add_gap_max_ms"):
                 r[key] = {name: t[key] for name, t in timing.items() if t}
             r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
             r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL
@@ -620,7 +643,7 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
             # plain vLLM ran in its own process, its repeats beside theirs. A row that kept only its rates has no
             # repeats to pair round by round: it stays out, and the ratios above stand on the medians alone
             timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http",
-                                                               "endpoint_unfrozen", "plain")
+                                                               "endpoint_ungathered", "plain")
                      if rows.get(name) and rows[name].get("seconds")}
             if len(timed) > 1:
                 r["head_to_head"] = head_to_head(timed, unit="s per run")

@@ -68,12 +68,15 @@ case "$SEGMENT" in
   endpoint)   # Where the endpoint's time goes at the engine's side (gpu_throughput's request arrival times) and at
               # the client's and server's (endpoint_per_request.py: the same request path with an engine that answers
               # at once, so its CPU per request is this host's, not this project's 2-core box's).
+              # H200_PER_REQUEST=0: the throughput alone (~5.5 min instead of ~8)
               bench gpu_throughput.py --startup fast $(deadline_flag 330)
-              echo "== endpoint_per_request.py ($(left) s left)"
-              timeout -s INT -k 10 $(( $(left) - 70 )) "$PY" bench/endpoint_per_request.py --kinds plain logprobs \
-                --out "$OUT/bench/endpoint_per_request_h200.json" 2>&1 | tail -20
-              timeout -s INT -k 10 $(( $(left) - 12 )) "$PY" bench/endpoint_per_request.py --profile plain:256 \
-                --requests 512 > "$OUT/bench/endpoint_per_request_profile_h200.txt" 2>&1
+              if [ "${H200_PER_REQUEST:-1}" != 0 ]; then
+                echo "== endpoint_per_request.py ($(left) s left)"
+                timeout -s INT -k 10 $(( $(left) - 70 )) "$PY" bench/endpoint_per_request.py --kinds plain logprobs \
+                  --out "$OUT/bench/endpoint_per_request_h200.json" 2>&1 | tail -20
+                timeout -s INT -k 10 $(( $(left) - 12 )) "$PY" bench/endpoint_per_request.py --profile plain:256 \
+                  --requests 512 > "$OUT/bench/endpoint_per_request_profile_h200.txt" 2>&1
+              fi
               FILE=gpu_throughput ;;
   t4)         # Both sides need ~8 min at 5 steps (measured: Unsloth import 37 s + load 97 s + first step 39 s;
               # art_nb register 62 s + first step 51 s): run it alone with the full limit, or fewer steps

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from art_nb.local.engines.vllm.thread import VLLMThread
+from art_nb.local.engines.vllm.thread import Gather, VLLMThread
 
 
 @dataclass
@@ -37,6 +37,7 @@ class FakeEngine:
         self.calls: list[str] = []  # add/abort/other calls and steps, in the order the thread made them
         self.fail_at: int | None = None
         self.step_gate: threading.Event | None = None  # set: steps proceed; cleared: the next step waits
+        self.first_step_at: float | None = None  # time.monotonic() of the first step
 
     def add_request(self, request_id: str, length: int) -> None:
         self.calls.append(f"add {request_id}")
@@ -53,6 +54,8 @@ class FakeEngine:
             self.step_gate.wait(5)
         if self.fail_at is not None and len(self.batches) + 1 >= self.fail_at:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
         self.batches.append(sorted(self.left))
         self.calls.append("step")
         time.sleep(0.001)  # a decode step takes time: lets a request submitted meanwhile join mid-batch
@@ -100,6 +103,81 @@ async def test_steps_while_open_and_a_request_joins_the_running_batch(thread, en
     done_late, done_long = await late, await long
     assert done_long.steps == 40 and [b for b in engine.batches if b != ["long"]] == [["late", "long"]] * 3
     assert done_late.steps < 40  # it finished mid-way, not after the long one: it joined the batch
+
+
+async def submit_spaced(thread: VLLMThread, engine: FakeEngine, count: int, every_s: float,
+                        length: int = 3) -> list[asyncio.Future[Any]]:
+    futures = []
+    for i in range(count):
+        futures.append(submit(thread, engine, f"b{i}", length))
+        await asyncio.sleep(every_s)
+    return futures
+
+
+async def test_a_burst_arriving_from_idle_starts_in_one_step(thread, engine) -> None:
+    """Requests that come a few ms apart (the endpoint admitting a rollout group) join before the first step."""
+    thread.gather = Gather(quiet_s=0.03, cap_s=1.0)
+    await asyncio.gather(*await submit_spaced(thread, engine, 8, every_s=0.005))
+    assert engine.batches[0] == sorted(f"b{i}" for i in range(8))
+    assert len(engine.batches) == 3
+
+
+async def test_without_gather_a_burst_trickles_into_the_running_batch(thread, engine) -> None:
+    """What the gather prevents: each request joins a step of its own (a prefill outside CUDA graphs on a GPU)."""
+    thread.gather = Gather(0, 0)
+    await asyncio.gather(*await submit_spaced(thread, engine, 8, every_s=0.005, length=30))
+    assert len(engine.batches[0]) < 8
+
+
+async def test_a_stream_of_requests_waits_no_longer_than_the_cap(thread, engine) -> None:
+    thread.gather = Gather(quiet_s=0.05, cap_s=0.04)
+    started = time.monotonic()
+    first = submit(thread, engine, "first", 1)
+    rest = await submit_spaced(thread, engine, 30, every_s=0.005)  # never quiet for 50 ms
+    assert (await first).steps == 1
+    first_step_after = engine.first_step_at - started
+    assert 0.035 < first_step_after < 0.12, first_step_after  # the cap, not the end of the stream (~0.15 s)
+    await asyncio.gather(*rest)
+
+
+async def test_a_request_arriving_mid_batch_waits_for_quiet_then_joins(thread, engine) -> None:
+    thread.gather = Gather(quiet_s=0.02, cap_s=1.0)
+    long = submit(thread, engine, "long", 200)
+    while len(engine.batches) < 3:
+        await asyncio.sleep(0.001)
+    asked = len(engine.batches)
+    late = await submit_spaced(thread, engine, 3, every_s=0.004)
+    await asyncio.gather(*late, long)
+    joined = next(i for i, batch in enumerate(engine.batches) if "b0" in batch)
+    assert engine.batches[joined] == ["b0", "b1", "b2", "long"]  # the three together, not one by one
+    assert joined - asked >= 10  # ~1 ms steps: it waited for the 20 ms of quiet, the batch stepping meanwhile
+
+
+async def test_what_is_asked_after_a_waiting_add_stays_behind_it(thread, engine) -> None:
+    thread.gather = Gather(quiet_s=0.02, cap_s=1.0)
+    first = submit(thread, engine, "a", 1)
+    noted = thread.call(engine.calls.append, "between")
+    first.cancel()  # the client left while its request still waited to join: the engine aborts it
+    thread.abort("a", engine.abort_request)
+    await noted
+    await thread.call(lambda: None)
+    assert engine.calls[:2] == ["add a", "between"] and engine.aborted == ["a"]
+
+
+def test_gather_setting_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("ART_NB_GATHER_MS", raising=False)
+    assert Gather.from_env() == Gather()
+    monkeypatch.setenv("ART_NB_GATHER_MS", "0")
+    off = Gather.from_env()
+    assert off.due_in(first_s=0.0, last_s=0.0, now=0.0) == 0.0
+    monkeypatch.setenv("ART_NB_GATHER_MS", "2, 30")
+    assert Gather.from_env() == Gather(0.002, 0.03)
+    assert Gather(0.002, 0.03).due_in(first_s=1.0, last_s=1.029, now=1.029) == pytest.approx(0.001)  # the cap
+    assert Gather(0.002, 0.03).due_in(first_s=1.0, last_s=1.01, now=1.011) == pytest.approx(0.001)  # the quiet
+    for bad in ("fast", "5,100,3", "-1"):
+        monkeypatch.setenv("ART_NB_GATHER_MS", bad)
+        with pytest.raises(ValueError, match="ART_NB_GATHER_MS"):
+            VLLMThread()  # refused before a thread starts
 
 
 async def test_one_hop_per_step_for_all_the_outputs_it_finished(thread, engine) -> None:
@@ -209,20 +287,36 @@ def test_each_waiter_hears_back_on_its_own_loop(thread, engine) -> None:
     assert got == {"loop0": (True, got["loop0"][1]), "loop1": (True, got["loop1"][1])}
 
 
-def test_gil_switch_interval_is_short_while_a_vllm_thread_lives_and_restored_after(monkeypatch) -> None:
+async def test_gil_switch_interval_is_short_while_a_vllm_thread_steps_and_python_s_otherwise(monkeypatch, engine) -> None:
+    """Short while vLLM decodes (its thread gets the GIL back soon after each GPU wait); Python's own while it
+    is idle, so the endpoint's and the client's threads take in a burst without handing the GIL over every
+    0.5 ms."""
     import sys
 
     monkeypatch.delenv("ART_NB_SWITCH_INTERVAL_MS", raising=False)
     before = sys.getswitchinterval()
     first, second = VLLMThread(), VLLMThread()
+    other_engine = FakeEngine()
+    for vllm, its_engine in ((first, engine), (second, other_engine)):
+        vllm.gather = Gather(0, 0)
+        vllm.attach(its_engine.step, dead=lambda: None, died=lambda exc: None)
     try:
+        assert sys.getswitchinterval() == pytest.approx(before)  # alive, idle
+        engine.step_gate = threading.Event()
+        running = submit(first, engine, "a", 3)
+        while not engine.calls:
+            await asyncio.sleep(0.001)
         assert sys.getswitchinterval() == pytest.approx(0.0005)
-        first.stop()
-        first.join()
-        assert sys.getswitchinterval() == pytest.approx(0.0005)  # the second still lives
+        other = asyncio.get_running_loop().create_future()
+        second.add("b", lambda: other_engine.add_request("b", 1), other)
+        engine.step_gate.set()
+        await asyncio.gather(running, other)
+        await asyncio.sleep(0.05)
+        assert sys.getswitchinterval() == pytest.approx(before)  # both idle again
     finally:
-        second.stop()
-        second.join()
+        for vllm in (first, second):
+            vllm.stop()
+            vllm.join()
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
@@ -232,11 +326,20 @@ def test_switch_interval_env_zero_leaves_python_alone(monkeypatch) -> None:
     monkeypatch.setenv("ART_NB_SWITCH_INTERVAL_MS", "0")
     before = sys.getswitchinterval()
     thread = VLLMThread()
+    engine = FakeEngine()
+    thread.attach(lambda: engine.step(), dead=lambda: None, died=lambda exc: None)
+    engine.step_gate = threading.Event()
+    loop = asyncio.new_event_loop()
     try:
-        assert sys.getswitchinterval() == pytest.approx(before)
+        thread.add("a", lambda: engine.add_request("a", 1), loop.create_future())
+        while not engine.calls:
+            time.sleep(0.001)
+        assert sys.getswitchinterval() == pytest.approx(before)  # stepping, yet Python's own
     finally:
+        engine.step_gate.set()
         thread.stop()
         thread.join()
+        loop.close()
 
 
 def test_the_engine_stream_is_the_default_one_unless_asked_and_a_bad_choice_is_refused(monkeypatch) -> None:

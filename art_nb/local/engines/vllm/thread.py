@@ -11,6 +11,13 @@ decode step of a 3B model at batch 8; looping here costs ~0.004 ms.
 - Finished outputs go back in one `call_soon_threadsafe` per event loop per step (each waiter
   belongs to the loop that asked; the backend's loop and a benchmark's may both be asking).
 - With nothing unfinished the thread blocks on its queue: no spin, no polling.
+- Requests that arrive together start together (`Gather`): an add waits while the endpoint still holds
+  requests on their way (engines/arrivals.py) and until no other add has come for `quiet_s`, or until the
+  first waiting one has waited `cap_s`. On a GPU a step that admits a request runs
+  its prefill outside the decode CUDA graphs (FULL_DECODE_ONLY, LoRA kernels launched one by one from
+  Python): 50-80 ms of mostly GIL-held launches for a 3B model on an H200, against 3-7 ms for a decode step
+  (the longest step of each wave, bench/results/h200/gpu_throughput.json). Requests trickling in from the endpoint
+  one at a time each brought such a step, and slowed the endpoint that was still admitting the others.
 - A `when_idle` call (sleep) waits, with everything queued after it, until no request is unfinished.
 - `step()` raising leaves vLLM in an unknown state: `died(exc)` is told, every waiter fails with
   `dead()`'s error, and no step runs again. Requests queued later fail the same way.
@@ -20,8 +27,10 @@ with CUDA graphs is a few ms of GPU work between short Python stretches, and eve
 waits for the GPU releases the GIL; taking it back, this thread waits until the holder is asked to
 drop it, which CPython does after `sys.getswitchinterval()` (5 ms by default). Under a burst of
 requests that wait is longer than the step itself (on the H200, 3B, batch 256: the endpoint ran at
-0.53x plain vLLM). So while a vLLM thread lives, the interval is at most `SWITCH_INTERVAL_S`
-(ART_NB_SWITCH_INTERVAL_MS overrides; 0 leaves Python's), restored when the last one ends.
+0.53x plain vLLM). So while a vLLM thread steps, the interval is at most `SWITCH_INTERVAL_S`
+(ART_NB_SWITCH_INTERVAL_MS overrides; 0 leaves Python's), restored when no thread steps. Not while it
+idles: then the endpoint's and the client's threads take in a burst, and forced hand-overs every 0.5 ms
+between those two made 64 requests take 380 ms to reach the engine instead of 240 ms (2-core CPU).
 
 The GPU: the thread issues vLLM's work on the device's default stream, or on one of its own where
 ART_NB_VLLM_STREAM asks (stream.py).
@@ -30,17 +39,20 @@ ART_NB_VLLM_STREAM asks (stream.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..arrivals import ARRIVALS
 from .stream import EngineStream
 
 __all__ = ["VLLMThread"]
@@ -63,6 +75,39 @@ class _Add:
     request_id: str
     add: Callable[[], Any]
     waiter: _Waiter
+    arrived: float = 0.0  # when the thread took it off its queue (time.monotonic)
+
+
+@dataclass(frozen=True)
+class Gather:
+    """When a waiting add joins the engine: once no add has arrived for `quiet_s`, or the first one waiting
+    has waited `cap_s` (0, 0: at once)."""
+
+    quiet_s: float = 0.005  # a request's CPU at the endpoint is ~3 ms on an H200 host: a burst's adds come closer
+    cap_s: float = 0.1
+
+    @classmethod
+    def from_env(cls) -> Gather:
+        """ART_NB_GATHER_MS="QUIET,CAP" (milliseconds; "0" admits every request at once)."""
+        raw = os.environ.get(_GATHER_ENV, "").strip()
+        if not raw:
+            return cls()
+        try:
+            parts = [float(part) / 1000 for part in raw.split(",")]
+        except ValueError:
+            raise ValueError(f"{_GATHER_ENV}={raw!r}: expected QUIET,CAP in milliseconds, e.g. 5,100") from None
+        if len(parts) > 2 or any(part < 0 for part in parts):
+            raise ValueError(f"{_GATHER_ENV}={raw!r}: expected QUIET,CAP in milliseconds, e.g. 5,100")
+        quiet = parts[0]
+        return cls(quiet, parts[1] if len(parts) == 2 else (cls.cap_s if quiet else 0.0))
+
+    def due_in(self, first_s: float, last_s: float, now: float, coming: int = 0) -> float:
+        """Seconds until adds that began waiting at `first_s` (the latest arriving at `last_s`) join, while
+        `coming` more are on their way through the endpoint: <= 0 now."""
+        if self.quiet_s <= 0 or self.cap_s <= 0:
+            return 0.0
+        cap = first_s + self.cap_s - now
+        return cap if coming else min(last_s + self.quiet_s - now, cap)
 
 
 @dataclass
@@ -75,13 +120,14 @@ _STOP = object()
 
 SWITCH_INTERVAL_S = 0.0005  # a toy model of a step (3 ms GPU + 0.4 ms Python) with two busy threads: 12.2 ms at 5 ms, 5.2 ms here
 _SWITCH_ENV = "ART_NB_SWITCH_INTERVAL_MS"
+_GATHER_ENV = "ART_NB_GATHER_MS"
 _switch_lock = threading.Lock()
 _switch_users = 0
 _switch_before: float | None = None
 
 
 def _claim_switch_interval() -> None:
-    """Shorten the interpreter's GIL switch interval while any vLLM thread lives (see the module docstring)."""
+    """Shorten the interpreter's GIL switch interval while any vLLM thread steps (see the module docstring)."""
     global _switch_users, _switch_before
     wanted = SWITCH_INTERVAL_S
     if os.environ.get(_SWITCH_ENV, "").strip():
@@ -146,12 +192,13 @@ class VLLMThread:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: deque[Any] = deque()  # taken off the queue, not yet run (behind a when_idle call)
         self._waiters: dict[str, _Waiter] = {}  # request id -> its waiter; touched on this thread only
+        self.gather = Gather.from_env()  # a bad ART_NB_GATHER_MS is refused here, before the thread starts
+        self._last_arrival = 0.0  # of the latest add taken off the queue
         self._lock = threading.Lock()  # submission vs. the thread's exit: nothing is queued after it
         self._stopped = False
         self._step_failed = False
         self.stream = EngineStream()  # a bad ART_NB_VLLM_STREAM is refused here, before the thread starts
         self._thread = threading.Thread(target=self._run, name="art_nb-vllm", daemon=True)
-        _claim_switch_interval()
         self._thread.start()
 
     def attach(self, step: Callable[[], list[Any]], dead: Callable[[], BaseException | None],
@@ -164,7 +211,12 @@ class VLLMThread:
         """What the thread changes for vLLM's sake, to show among the engine's choices."""
         switch = (f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
                   "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
-        return [switch] if self.stream.reason is None else [self.stream.reason, switch]
+        gather = self.gather
+        together = (f"requests arriving together start together: each waits until none has come for "
+                    f"{gather.quiet_s * 1000:g} ms (at most {gather.cap_s * 1000:g} ms), so a burst is prefilled in "
+                    "one step, not one step each (thread.py; ART_NB_GATHER_MS=0 turns it off)"
+                    if gather.quiet_s > 0 and gather.cap_s > 0 else "every request joins the engine at once (ART_NB_GATHER_MS)")
+        return [reason for reason in (self.stream.reason, switch, together) if reason is not None]
 
     # ---- submission (any thread) -----------------------------------------------------------------
 
@@ -210,19 +262,30 @@ class VLLMThread:
 
     def _run(self) -> None:
         outcomes = _Outcomes()
+        stepping = False  # holds a claim on the short switch interval
         try:
             with self.stream.issuing():  # vLLM's kernels on its own stream where one is asked (stream.py)
                 while True:
-                    if not self._waiters and not self._held:
-                        self._held.append(self._queue.get())  # nothing to step: sleep until something is asked
+                    if not self._waiters:  # nothing to step: sleep until something is asked, or adds are due
+                        if stepping:
+                            _release_switch_interval()
+                            stepping = False
+                        wait = self._idle_wait()
+                        if wait is None or wait > 0:
+                            with contextlib.suppress(queue.Empty):
+                                self._take(self._queue.get(timeout=wait))
                     while not self._queue.empty():  # whatever was asked during the last step, in order
-                        self._held.append(self._queue.get_nowait())
+                        self._take(self._queue.get_nowait())
                     if self._run_held(outcomes):
                         break
+                    if self._waiters and not stepping:
+                        _claim_switch_interval()
+                        stepping = True
                     self._step(outcomes)
                     outcomes.send()
         finally:
-            _release_switch_interval()
+            if stepping:
+                _release_switch_interval()
             with self._lock:
                 self._stopped = True
             error = self._dead() or RuntimeError("the vLLM thread has stopped")
@@ -235,12 +298,36 @@ class VLLMThread:
                     item.done.set_exception(error)
             outcomes.send()
 
+    def _take(self, item: Any) -> None:
+        if isinstance(item, _Add):
+            item.arrived = self._last_arrival = time.monotonic()
+        self._held.append(item)
+
+    def _adds_due_in(self) -> float:
+        """Seconds until the add at the head of the held items may join (<= 0: now)."""
+        return self.gather.due_in(self._held[0].arrived, self._last_arrival, time.monotonic(), ARRIVALS.count)
+
+    def _idle_wait(self) -> float | None:
+        """How long an idle thread waits for more before running its held items (None: until one comes).
+        While requests are on their way it looks again every `quiet_s`: one may end without reaching it."""
+        if not self._held:
+            return None
+        if not isinstance(self._held[0], _Add):
+            return 0.0
+        return max(0.0, min(self._adds_due_in(), self.gather.quiet_s))
+
     def _run_held(self, outcomes: _Outcomes) -> bool:
-        """Run the held items in order; True once the stop item is reached."""
+        """Run the held items in order; True once the stop item is reached. Adds wait for `gather`, and
+        what was asked after them waits behind them (the order of calls is kept)."""
+        admitting = False
         while self._held:
             item = self._held[0]
             if isinstance(item, _Call) and item.when_idle and self._waiters and self._can_step():
                 return False  # it and everything after it wait for the running requests
+            if isinstance(item, _Add) and not admitting:
+                if self._adds_due_in() > 0:
+                    return False
+                admitting = True  # every add held now joins in this pass
             self._held.popleft()
             if item is _STOP:
                 return True
