@@ -22,7 +22,7 @@ independent of timing: which adapter a rollout used never depends on when the st
 
 `enabled="auto"` asks the backend's plan (`backend.choices(model)["pipeline"]`, "on: ..." or "off:
 ..."): on where the engine keeps serving while it trains (vLLM beside a training that fits) and the
-model has 1B parameters or more (on an H200 a 3B model's step ran 1.09x faster pipelined, a 135M
+model has 1B parameters or more (on an H200 a 3B model's step ran 1.25x faster pipelined, a 135M
 model's 18% slower: beside each other both sides slowed, and the small one had nothing to gain);
 off on a CPU, where rollouts and training share the cores: there it gave 1.58x the steps per hour
 on 2 cores (bench/cpu_pipeline.py), but what the lag costs a short run's learning is not measured yet.

@@ -144,7 +144,7 @@ _PIPELINE_ON_CPU = ("a step took 21 s instead of 33 s on 2 cores (1.58x the step
 _PIPELINE_MIN_PARAMETERS = 1_000_000_000
 _PIPELINE_SMALL = ("on an H200, SmolLM2-135M's tic-tac-toe step took 3.40 s pipelined vs 2.88 s (median of 11; "
                    "bench/results/h200/pipeline_curves)")
-_PIPELINE_LARGE = ("on an H200 a 3B model's GRPO step took 2.54 s vs 2.77 s (1.09x, median of 3 interleaved rounds; "
+_PIPELINE_LARGE = ("on an H200 a 3B model's GRPO step took 2.14 s vs 2.67 s (1.25x, median of 3 interleaved rounds; "
                    "bench/results/h200/gpu_step.json)")
 
 

@@ -15,9 +15,9 @@ decode step of a 3B model at batch 8; looping here costs ~0.004 ms.
   requests on their way (engines/arrivals.py) and until no other add has come for `quiet_s`, or until the
   first waiting one has waited `cap_s`. On a GPU a step that admits a request runs
   its prefill outside the decode CUDA graphs (FULL_DECODE_ONLY, LoRA kernels launched one by one from
-  Python): 50-80 ms of mostly GIL-held launches for a 3B model on an H200, against 3-7 ms for a decode step
-  (the longest step of each wave, bench/results/h200/gpu_throughput.json). Requests trickling in from the endpoint
-  one at a time each brought such a step, and slowed the endpoint that was still admitting the others.
+  Python): 53-132 ms for a 3B model on an H200 taking in a wave of 8-256 requests, against 3-12 ms for a
+  decode step (bench/results/h200/gpu_throughput.json). With it every wave is taken in by one such step;
+  without it by two there, in the same wall time.
 - A `when_idle` call (sleep) waits, with everything queued after it, until no request is unfinished.
 - `step()` raising leaves vLLM in an unknown state: `died(exc)` is told, every waiter fails with
   `dead()`'s error, and no step runs again. Requests queued later fail the same way.
