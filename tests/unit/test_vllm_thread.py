@@ -357,3 +357,21 @@ def test_the_engine_stream_is_the_default_one_unless_asked_and_a_bad_choice_is_r
     monkeypatch.setenv(STREAM_ENV, "separate")
     with pytest.raises(ValueError, match="ART_NB_VLLM_STREAM='separate': expected one of default, own, high"):
         VLLMThread()  # refused before a thread starts or the switch interval is claimed
+
+
+def test_the_thread_says_what_it_changes_for_vllm(monkeypatch) -> None:
+    monkeypatch.delenv("ART_NB_SWITCH_INTERVAL_MS", raising=False)
+    monkeypatch.setenv("ART_NB_GATHER_MS", "2,40")
+    thread = VLLMThread()
+    try:
+        switch, together = thread.reasons()
+        assert "0.5 ms while vLLM decodes" in switch and "Python's own while it idles" in switch
+        assert "none has come for 2 ms (at most 40 ms)" in together
+        monkeypatch.setenv("ART_NB_SWITCH_INTERVAL_MS", "0")
+        monkeypatch.setenv("ART_NB_GATHER_MS", "0")
+        thread.gather = Gather.from_env()
+        assert thread.reasons() == ["Python's GIL switch interval left as it is (thread.py)",
+                                    "every request joins the engine at once (ART_NB_GATHER_MS)"]
+    finally:
+        thread.stop()
+        thread.join()

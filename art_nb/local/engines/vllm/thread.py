@@ -126,12 +126,16 @@ _switch_users = 0
 _switch_before: float | None = None
 
 
+def _wanted_switch_interval() -> float:
+    """The interval while vLLM decodes (seconds; 0: Python's own)."""
+    raw = os.environ.get(_SWITCH_ENV, "").strip()
+    return float(raw) / 1000 if raw else SWITCH_INTERVAL_S
+
+
 def _claim_switch_interval() -> None:
     """Shorten the interpreter's GIL switch interval while any vLLM thread steps (see the module docstring)."""
     global _switch_users, _switch_before
-    wanted = SWITCH_INTERVAL_S
-    if os.environ.get(_SWITCH_ENV, "").strip():
-        wanted = float(os.environ[_SWITCH_ENV]) / 1000
+    wanted = _wanted_switch_interval()
     with _switch_lock:
         _switch_users += 1
         if _switch_users == 1 and 0 < wanted < sys.getswitchinterval():
@@ -209,12 +213,15 @@ class VLLMThread:
 
     def reasons(self) -> list[str]:
         """What the thread changes for vLLM's sake, to show among the engine's choices."""
-        switch = (f"Python's GIL switch interval {sys.getswitchinterval() * 1000:g} ms while vLLM runs in this "
-                  "process, so its thread gets the GIL back soon after each GPU wait (thread.py)")
+        wanted = _wanted_switch_interval()
+        switch = (f"Python's GIL switch interval {wanted * 1000:g} ms while vLLM decodes, so its thread gets the GIL "
+                  "back soon after each GPU wait, and Python's own while it idles (thread.py)"
+                  if 0 < wanted < (_switch_before or sys.getswitchinterval())
+                  else "Python's GIL switch interval left as it is (thread.py)")
         gather = self.gather
-        together = (f"requests arriving together start together: each waits until none has come for "
-                    f"{gather.quiet_s * 1000:g} ms (at most {gather.cap_s * 1000:g} ms), so a burst is prefilled in "
-                    "one step, not one step each (thread.py; ART_NB_GATHER_MS=0 turns it off)"
+        together = (f"requests arriving together start together: each waits while the endpoint holds more on their "
+                    f"way and until none has come for {gather.quiet_s * 1000:g} ms (at most {gather.cap_s * 1000:g} ms), "
+                    "so a burst is prefilled in one step, not one step each (thread.py; ART_NB_GATHER_MS=0 turns it off)"
                     if gather.quiet_s > 0 and gather.cap_s > 0 else "every request joins the engine at once (ART_NB_GATHER_MS)")
         return [reason for reason in (self.stream.reason, switch, together) if reason is not None]
 
