@@ -218,7 +218,9 @@ def _t4(d: dict[str, Any]) -> str:
     sides = [f"{label} " + re.sub(r" over steps \[[^]]*\]", "", s[k]["summary"]) for k, label in (("art", f"art_nb ({engine})"), ("unsloth", "Unsloth's recipe"))
              if s.get(k, {}).get("summary")]
     verdict = (s.get("comparison") or {}).get("summary", "")
-    return "; ".join(sides + ([verdict.split(";")[0]] if verdict.startswith("art_nb") else []))
+    # the ratio of means, and of medians with whether they settle it (a noisy step can flip one, not both)
+    said = [part.strip() for part in verdict.split(";") if part.strip().startswith(("art_nb", "medians"))]
+    return "; ".join(sides + (said if verdict.startswith("art_nb") else []))
 
 
 def _memory_fit(d: dict[str, Any]) -> str:
