@@ -95,8 +95,8 @@ class Gather:
         try:
             parts = [float(part) / 1000 for part in raw.split(",")]
         except ValueError:
-            raise ValueError(f"{_GATHER_ENV}={raw!r}: expected QUIET,CAP in milliseconds, e.g. 5,100") from None
-        if len(parts) > 2 or any(part < 0 for part in parts):
+            parts = []
+        if not 1 <= len(parts) <= 2 or any(part < 0 for part in parts):
             raise ValueError(f"{_GATHER_ENV}={raw!r}: expected QUIET,CAP in milliseconds, e.g. 5,100")
         quiet = parts[0]
         return cls(quiet, parts[1] if len(parts) == 2 else (cls.cap_s if quiet else 0.0))
