@@ -20,6 +20,10 @@ Per start-up mode, two parts, each in its own process:
   (any other client; every client before the in-process one); `engine_direct`, the same requests to
   `engine.generate` (no HTTP), to split the endpoint's cost from the engine's; `endpoint_ungathered`, the
   headline with the vLLM thread admitting each request at once instead of gathering a burst (thread.py).
+- `vllm_server`: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, its engine core in a
+  process of its own as users run it) started on the same engine arguments, called with the same
+  requests from a plain `AsyncOpenAI` over loopback HTTP: the way ART and most RL stacks serve rollouts,
+  so the peer of art_nb's endpoint (`endpoint_over_vllm_server`, `endpoint_http_over_vllm_server`);
 - `art_hf` (not run unless asked): the transformers engine's endpoint, for contrast.
 
 Every vLLM run also times each `step()` of the engine (the `step` attribute of the `LLMEngine` is
@@ -55,6 +59,7 @@ import asyncio
 import bisect
 import contextlib
 import itertools
+import json
 import math
 import os
 import statistics
@@ -87,7 +92,7 @@ from _common import (
     weights_note,
 )
 
-PARTS = ("plain_vllm", "art_vllm", "art_hf")
+PARTS = ("plain_vllm", "art_vllm", "vllm_server", "art_hf")
 # the first is the headline; "endpoint_ungathered" is the headline call with the vLLM thread admitting every
 # request at once (Gather(0, 0): each joins the next step), as before it gathered a burst: what gathering saves
 ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct", "endpoint_ungathered")
@@ -95,7 +100,8 @@ HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
 HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct", "endpoint_ungathered")  # each gets every repeat: median of >= 3, same run
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
-PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "art_hf": 240}
+PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "vllm_server": 180, "art_hf": 240}
+SERVER_START_S = 150  # vLLM's server: import, load, CUDA graphs, then /health answers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="runs of plain and endpoint per batch size")
     parser.add_argument("--side-repeats", type=int, default=None,
                         help="runs of endpoint_logprobs and engine_direct per batch size")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=["plain_vllm", "art_vllm"])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=["plain_vllm", "art_vllm", "vllm_server"])
     parser.add_argument("--deadline-s", type=float, default=540, help="end within this long (parts cut short)")
     parser.add_argument("--py-spy", type=Path, default=None, metavar="PATH",
                         help="py-spy binary: record the first plain / endpoint / engine_direct run of each batch size")
@@ -505,11 +511,127 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
                         spied[name] = {**await asyncio.to_thread(spy_finish, spy), "run": 0}
         result["batches"][str(batch)] = row = {name: summarize(runs[name]) for name in ART_MODES if runs[name]}
         row["cut_short"] = len(runs["endpoint"]) < args.repeats
+        row["heap"] = heap_after_runs()
         for name, info in spied.items():
             row[name]["py_spy"] = info
         write(result)
     await backend.close()
     return result
+
+
+def server_argv(kwargs: dict[str, Any]) -> list[str]:
+    """`engine_args`' keywords as vLLM's server command line: every `EngineArgs` field is a flag of the same
+    name (a config given as JSON, a switch as `--flag` / `--no-flag`)."""
+    argv: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def vllm_server(args: argparse.Namespace, write: Any) -> dict[str, Any]:
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from art_nb.local.engines.vllm.args import engine_args
+
+    result: dict[str, Any] = {"startup": args.startup_mode}
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    messages = rollout_prompts(max(args.batch_sizes))
+    ids = [prompt_ids(tokenizer, m) for m in messages]
+    setup = engine_args(args.model, model_config(args, "vllm"), on_cuda())
+    port, key = free_port(), "bench-" + os.urandom(8).hex()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", "bench", *server_argv(setup.kwargs)]
+    result.update(engine_kwargs=setup.kwargs, command=" ".join(command))
+    log = (args.out / "_parts" / f"vllm_server_{args.startup_mode}.log").open("w")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # its default: as users run it
+    server = subprocess.Popen([*command, "--api-key", key], stdout=log, stderr=subprocess.STDOUT, env=env)
+    started = time.perf_counter()
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {server.returncode} before it answered (see {log.name})")
+            if time.perf_counter() - started > SERVER_START_S:
+                raise RuntimeError(f"vLLM's server did not answer /health within {SERVER_START_S} s (see {log.name})")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        result["start_s"] = round(time.perf_counter() - started, 1)
+        write(result)
+        asyncio.run(_server_waves(args, result, write, openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=600.0, max_retries=2), messages, ids))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    return result
+
+
+async def _server_waves(args: argparse.Namespace, result: dict[str, Any], write: Any, client: Any,
+                        messages: list[Any], ids: list[list[int]]) -> None:
+    async def wave(batch: int, tokens: int = args.tokens) -> Run:
+        started = time.perf_counter()
+        responses = await asyncio.gather(*(
+            client.chat.completions.create(model="bench", messages=messages[i], max_tokens=tokens, temperature=1.0,
+                                           seed=i, extra_body={"ignore_eos": True, "return_token_ids": True})
+            for i in range(batch)))
+        seconds = time.perf_counter() - started
+        sent = (responses[0].model_extra or {}).get("prompt_token_ids")
+        result["same_prompt_ids"] = None if sent is None else list(sent) == ids[0]
+        return seconds, sum(r.usage.completion_tokens for r in responses), None
+
+    result["batches"] = {}
+    deadline = Deadline(args.stop_by)
+    for batch in args.batch_sizes:
+        if not deadline.fits(scale=2.0):
+            result["batches"][str(batch)] = {"skipped": "deadline"}
+            break
+        await wave(batch, WARMUP_TOKENS)
+        runs: list[Run] = []
+        for repeat in range(args.repeats):
+            if repeat and not deadline.fits():
+                break
+            with deadline.round():
+                runs.append(await wave(batch))
+        result["batches"][str(batch)] = row = summarize(runs)
+        row["cut_short"] = len(runs) < args.repeats
+        write(result)
+    await client.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def heap_after_runs() -> dict[str, Any]:
+    """What a full collection scans once a batch's runs are over (objects made since register froze the heap),
+    and what one takes: the oldest generation's passes during a wave cost this much each."""
+    import gc
+
+    objects = len(gc.get_objects())
+    started = time.perf_counter()
+    gc.collect()
+    return {"tracked_objects": objects, "frozen_objects": gc.get_freeze_count(),
+            "full_pass_ms": round(1000 * (time.perf_counter() - started), 2)}
 
 
 def summarize(runs: list[Run]) -> dict[str, Any]:
@@ -528,6 +650,8 @@ def run_one_part(args: argparse.Namespace) -> None:
     def measure(write: Any) -> dict[str, Any]:
         if args.part == "plain_vllm":
             return plain_vllm(args, write)
+        if args.part == "vllm_server":
+            return vllm_server(args, write)
         return asyncio.run(art_endpoint(args, write, "vllm" if args.part == "art_vllm" else "hf"))
 
     measure_part(args.out, part_name(args.part, args.startup_mode), measure)
@@ -572,6 +696,8 @@ def main(argv: list[str] | None = None) -> None:
         entry.update(compare(results.data["sections"], args.startup))
         entry["summary"] = " | ".join(
             f"{mode}: " + ", ".join(f"B={b} endpoint/plain {r['endpoint_over_plain']}"
+                                    + (f" endpoint/vLLM server {r['endpoint_over_vllm_server']}"
+                                       if "endpoint_over_vllm_server" in r else "")
                                     for b, r in found["ratios"].items())
             for mode, found in entry["startup"].items())
 
@@ -591,7 +717,8 @@ def part_summary(entry: dict[str, Any]) -> str:
                 cell += f" {_median(side['ms_per_step']):.1f} ms/step"
             cells.append(cell)
         parts.append(f"B={batch}: " + ", ".join(cells))
-    return f"[{describe_graphs(entry.get('graph_setting'))}] " + "; ".join(parts)
+    graphs = f"[{describe_graphs(entry['graph_setting'])}] " if entry.get("graph_setting") else ""
+    return graphs + "; ".join(parts)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -637,6 +764,13 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
                         "added_before_step_1", "gc_ms", "gc2_ms", "admitting_steps", "admitting_step_ms",
                         "add_gap_max_ms"):
                 r[key] = {name: t[key] for name, t in timing.items() if t}
+            server = sections.get(f"{mode}/vllm_server", {}).get("batches", {}).get(batch, {})
+            if "tokens_per_s_stats" in server:  # vLLM's own OpenAI server: the peer of the endpoint
+                peer = server["tokens_per_s_stats"]["median"]
+                r["vllm_server_tokens_per_s"] = peer
+                for name in ("endpoint", "endpoint_http"):
+                    if rows[name]:
+                        r[f"{name}_over_vllm_server"] = round(r[f"{name}_tokens_per_s"] / peer, 3)
             r["same_token_counts"] = len({t for v in rows.values() if v for t in v["tokens"]}) == 1
             r["goal_met"] = r["endpoint_over_plain"] >= HEADLINE_GOAL
             # Seconds per run (the same tokens every run): the modes of one process took turns, repeat by repeat;

@@ -11,7 +11,8 @@
 # curves       gpu_tictactoe.py --pipeline both (SmolLM2 learning curves with and without the pipeline,
 #              on the same games)                                            ~3.5 min
 # endpoint     gpu_throughput.py --startup fast, then endpoint_per_request.py on this host's CPU (what one request
-#              costs the client and the server thread, no engine) and its profile at 256   ~4.5 min (estimated)
+#              costs the client and the server thread, no engine) and its profile at 256   ~8 min; with
+#              H200_PER_REQUEST=0 the throughput with vLLM's own OpenAI server as a third part instead   ~8 min
 # t4           gpu_t4_vs_unsloth.py (Unsloth's T4 recipe vs art_nb's T4 config, 15 GiB cap)   ~8-9 min (alone)
 # memory       gpu_memory_fit.py (the 2048 notebook's config, 15 GiB cap)    ~6.5 min
 # prefix       hf_prefix_cache.py on the GPU (transformers engine, SmolLM2): multi-turn rollouts with the
@@ -68,8 +69,9 @@ case "$SEGMENT" in
   endpoint)   # Where the endpoint's time goes at the engine's side (gpu_throughput's request arrival times) and at
               # the client's and server's (endpoint_per_request.py: the same request path with an engine that answers
               # at once, so its CPU per request is this host's, not this project's 2-core box's).
-              # H200_PER_REQUEST=0: the throughput alone (~5.5 min instead of ~8)
-              bench gpu_throughput.py --startup fast $(deadline_flag 330)
+              # H200_PER_REQUEST=0: the throughput alone, with vLLM's own OpenAI server as the peer (~8 min);
+              # otherwise the server part is skipped for time
+              bench gpu_throughput.py --startup fast $(deadline_flag $([ "${H200_PER_REQUEST:-1}" = 0 ] && echo 480 || echo 330))
               if [ "${H200_PER_REQUEST:-1}" != 0 ]; then
                 echo "== endpoint_per_request.py ($(left) s left)"
                 timeout -s INT -k 10 $(( $(left) - 70 )) "$PY" bench/endpoint_per_request.py --kinds plain logprobs \

@@ -70,6 +70,26 @@ def test_throughput_compare_puts_the_endpoint_over_plain_and_judges_the_goal() -
     assert (found["plain_init_s"], found["art_register_s"]) == (40.0, 50.0)
 
 
+def test_throughput_compare_puts_the_endpoint_over_vllms_own_server_where_it_ran() -> None:
+    tp = load("gpu_throughput")
+    sections = throughput_sections()
+    sections["fast/art_vllm"]["batches"]["8"]["endpoint_http"] = row(800.0, 820.0, 810.0)
+    sections["fast/vllm_server"] = {"status": "ok", "batches": {"8": row(640.0, 650.0, 660.0)}}
+    ratios = tp.compare(sections, ["fast"])["startup"]["fast"]["ratios"]
+    assert ratios["8"]["vllm_server_tokens_per_s"] == 650.0
+    assert ratios["8"]["endpoint_over_vllm_server"] == round(960 / 650, 3)
+    assert ratios["8"]["endpoint_http_over_vllm_server"] == round(810 / 650, 3)
+    assert "endpoint_over_vllm_server" not in ratios["64"]  # the server did not run at 64
+
+
+def test_the_engine_arguments_become_vllms_server_flags() -> None:
+    tp = load("gpu_throughput")
+    argv = tp.server_argv({"model": "/m", "max_model_len": 2048, "enable_lora": True, "enforce_eager": False,
+                           "structured_outputs_config": {"backend": "guidance"}, "quantization": None})
+    assert argv == ["--model", "/m", "--max-model-len", "2048", "--enable-lora", "--no-enforce-eager",
+                    "--structured-outputs-config", '{"backend": "guidance"}']
+
+
 def test_throughput_compare_pairs_the_repeats_of_every_side_of_a_ratio() -> None:
     tp = load("gpu_throughput")
     eight = tp.compare(throughput_sections(), ["fast"])["startup"]["fast"]["ratios"]["8"]["head_to_head"]
