@@ -623,15 +623,22 @@ def free_port() -> int:
 
 
 def heap_after_runs() -> dict[str, Any]:
-    """What a full collection scans once a batch's runs are over (objects made since register froze the heap),
-    and what one takes: the oldest generation's passes during a wave cost this much each."""
+    """What a full collection scans once a batch's runs are over (objects made since register froze the heap,
+    the references they hold, the five holding most) and what one takes: the oldest generation's passes during
+    a wave cost about this much each. Measured on CPU (vLLM's CPU build, the quick run): ~21,000 objects holding
+    ~166,000 references took 22 ms a pass, 1 us an object: a reference into the frozen heap is a cache miss."""
     import gc
 
-    objects = len(gc.get_objects())
+    young = gc.get_objects()
+    fanout = sorted(((len(gc.get_referents(o)), type(o).__qualname__) for o in young), reverse=True)[:5]
+    references = sum(len(gc.get_referents(o)) for o in young)
+    objects = len(young)
+    del young
     started = time.perf_counter()
     gc.collect()
     return {"tracked_objects": objects, "frozen_objects": gc.get_freeze_count(),
-            "full_pass_ms": round(1000 * (time.perf_counter() - started), 2)}
+            "full_pass_ms": round(1000 * (time.perf_counter() - started), 2),
+            "references": references, "largest": [f"{kind}: {count}" for count, kind in fanout]}
 
 
 def summarize(runs: list[Run]) -> dict[str, Any]:

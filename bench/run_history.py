@@ -193,8 +193,28 @@ def _throughput(d: dict[str, Any]) -> str:
             http = [v.get("endpoint_http_over_plain") for v in r.values()]
             parts.append((f"\"{mode}\" " if mode else "") + "endpoint / plain vLLM "
                          + ", ".join(f"{v['endpoint_over_plain']:.2f}" for v in r.values()) + " at " + ", ".join(r)
-                         + ("" if None in http else " (over HTTP " + ", ".join(f"{x:.2f}" for x in http) + ")"))
+                         + ("" if None in http else " (over HTTP " + ", ".join(f"{x:.2f}" for x in http) + ")")
+                         + _peer(r, "vllm_server", "endpoint / vLLM's OpenAI server")
+                         + _engine_share(r))
     return "; ".join(parts) or _section_summaries(d)
+
+
+def _peer(ratios: dict[str, Any], peer: str, label: str) -> str:
+    """`label` and the endpoint's ratio over `peer` per batch (over HTTP in brackets), where the run had that peer."""
+    inside = [v.get(f"endpoint_over_{peer}") for v in ratios.values()]
+    if None in inside:
+        return ""
+    http = [v.get(f"endpoint_http_over_{peer}") for v in ratios.values()]
+    return (f"; {label} " + ", ".join(f"{x:.2f}" for x in inside)
+            + ("" if None in http else " (over HTTP " + ", ".join(f"{x:.2f}" for x in http) + ")"))
+
+
+def _engine_share(ratios: dict[str, Any]) -> str:
+    """The endpoint's rate over art_nb's engine called directly (the same engine, no HTTP, no SDK), per batch."""
+    pairs = [(v.get("endpoint_over_plain"), v.get("engine_direct_over_plain")) for v in ratios.values()]
+    if any(a is None or not b for a, b in pairs):
+        return ""
+    return "; of the engine called directly " + ", ".join(f"{a / b:.2f}" for a, b in pairs)
 
 
 def _step(d: dict[str, Any]) -> str:

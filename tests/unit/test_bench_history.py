@@ -158,11 +158,13 @@ def test_the_latest_h200_runs_are_the_ones_in_the_table() -> None:
     assert "register 52.4 s" in rows["gpu_startup"]["result"]
     assert "peak device use 11.52 GiB" in rows["gpu_memory_fit"]["result"]
     t4 = rows["gpu_t4_vs_unsloth"]["result"]
-    assert "3.92 s/step" in t4 and "4.60 s/step" in t4 and "medians 1.04 (per step 0.70-1.09, NOT settled)" in t4
-    assert "TRL / art_sync = 1.34x" in rows["gpu_step"]["result"] and "TRL / art_pipelined = 1.67x" in rows["gpu_step"]["result"]
+    assert "4.07 s/step" in t4 and "4.37 s/step" in t4 and "medians 1.10 (per step 0.80-1.16, NOT settled)" in t4
+    assert "TRL / art_sync = 1.30x" in rows["gpu_step"]["result"] and "TRL / art_pipelined = 1.54x" in rows["gpu_step"]["result"]
+    endpoint = rows["gpu_throughput"]["result"]
+    assert "endpoint / vLLM's OpenAI server 1.29, 1.10, 1.09" in endpoint and "engine called directly 0.98, 0.64, 0.52" in endpoint
 
 
 def test_make_table_prints_one_line_from_the_command_line() -> None:
     done = subprocess.run([sys.executable, str(BENCH / "make_table.py"), "--one-line",
                            str(BENCH / "results" / "h200" / "gpu_step.json")], capture_output=True, text=True, check=True)
-    assert done.stdout.startswith("gpu_step: model ok, art ok, trl ok, art_pipelined ok; TRL / art_sync = 1.34x")
+    assert done.stdout.startswith("gpu_step: model ok, art ok, trl ok, art_pipelined ok; TRL / art_sync = 1.30x")
