@@ -1,5 +1,4 @@
-"""A GPU's rollout wave modelled on a CPU: what the endpoint costs beside vLLM's step loop, and what
-gathering a burst of requests into one step saves.
+"""A GPU's rollout wave modelled on a CPU: what the endpoint costs beside vLLM's step loop.
 
     .venv/bin/python bench/endpoint_wave_cpu.py [--batch-sizes 64 256] [--repeats 5] [--gpu-ms 6]
         [--python-ms 0.8] [--prefill-ms 0] [--out bench/results/endpoint_wave_cpu.json]
@@ -15,10 +14,9 @@ is the real one: `create_app` on its loop thread, the real `openai.AsyncOpenAI` 
 client (what `model.openai_client()` returns), tic-tac-toe prompts through the SmolLM2 tokenizer. The
 process holds torch, transformers and peft, as a registered model's does.
 
-Three modes per batch size, interleaved repeat by repeat (median of >= 3 with the spread, per-round
-ratios): `engine_direct` (B requests to the engine, no HTTP), `endpoint` (B `chat.completions.create`
-calls, heap frozen after set-up, as LocalBackend does after register), `endpoint_ungathered` (the same
-with the thread admitting each request at once, `Gather(0, 0)`, instead of gathering a burst). Each run
+Two modes per batch size, interleaved repeat by repeat (median of >= 3 with the spread, per-round
+ratios): `engine_direct` (B requests to the engine, no HTTP) and `endpoint` (B `chat.completions.create`
+calls, heap frozen after set-up, as LocalBackend does after register). Each run
 records steps, the steps that took requests in, the time before the first and after the last step, when
 requests reached the engine, and the collector's passes (count and seconds, the oldest generation apart).
 """
@@ -38,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MIN_REPEATS, ROOT, GcPasses, Results, head_to_head, tokenizer_dir  # noqa: E402
 from endpoint_per_request import TOKENS, Bench, InstantEngine, call, conversations  # noqa: E402
 
-MODES = ("engine_direct", "endpoint", "endpoint_ungathered")
+MODES = ("engine_direct", "endpoint")
 
 
 class _Finished:
@@ -106,14 +104,10 @@ class SteppedEngine(InstantEngine):
 
 async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch: int, seed: int) -> dict[str, Any]:
     from art_nb.local.engines.base import GenerationRequest, SamplingParams
-    from art_nb.local.engines.vllm.thread import Gather
 
     prompts = conversations(batch, seed)
     engine = bench.engine
     core = engine.core
-    gather = engine.thread.gather
-    if mode == "endpoint_ungathered":
-        engine.thread.gather = Gather(0, 0)
     core.spans, core.adds = [], []
     passes.begin()
     mark = time.perf_counter()
@@ -130,7 +124,6 @@ async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch:
         done = time.perf_counter()
     finally:
         collected = passes.end()
-        engine.thread.gather = gather
     return {"wall_s": round(done - mark, 4), "steps": len(core.spans), "lead_s": round(core.spans[0][0] - mark, 4),
             "tail_s": round(done - core.spans[-1][1], 4), "last_add_s": round(core.adds[-1] - mark, 4),
             "admitting_steps": sum(1 for i, (start, _) in enumerate(core.spans)
@@ -164,8 +157,7 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
             entry["head_to_head"] = head_to_head({m: [r["wall_s"] for r in runs[m]] for m in MODES}, unit="s per wave")
             medians = {m: statistics.median(r["wall_s"] for r in runs[m]) for m in MODES}
             entry["gc2_s_total"] = {m: round(sum(r["gc2_s"] for r in runs[m]), 4) for m in MODES}
-            entry["summary"] = (f"engine_direct / endpoint {medians['engine_direct'] / medians['endpoint']:.3f}, "
-                                f"engine_direct / endpoint_ungathered {medians['engine_direct'] / medians['endpoint_ungathered']:.3f}; "
+            entry["summary"] = (f"engine_direct / endpoint {medians['engine_direct'] / medians['endpoint']:.3f}; "
                                 f"oldest-generation GC seconds over {args.repeats} waves: {entry['gc2_s_total']}")
     await client.close()
     bench.close()

@@ -18,8 +18,7 @@ Per start-up mode, two parts, each in its own process:
   HEADLINE; `endpoint_logprobs`, the same with `logprobs=True` (OpenAI's per-token logprob objects as
   well); `endpoint_http`, the headline call from a plain `AsyncOpenAI(base_url=...)` over loopback HTTP
   (any other client; every client before the in-process one); `engine_direct`, the same requests to
-  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's; `endpoint_ungathered`, the
-  headline with the vLLM thread admitting each request at once instead of gathering a burst (thread.py).
+  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's.
 - `vllm_server`: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, its engine core in a
   process of its own as users run it) started on the same engine arguments, called with the same
   requests from a plain `AsyncOpenAI` over loopback HTTP: the way ART and most RL stacks serve rollouts,
@@ -93,11 +92,9 @@ from _common import (
 )
 
 PARTS = ("plain_vllm", "art_vllm", "vllm_server", "art_hf")
-# the first is the headline; "endpoint_ungathered" is the headline call with the vLLM thread admitting every
-# request at once (Gather(0, 0): each joins the next step), as before it gathered a burst: what gathering saves
-ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct", "endpoint_ungathered")
+ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct")  # the first is the headline
 HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
-HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct", "endpoint_ungathered")  # each gets every repeat: median of >= 3, same run
+HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct")  # each gets every repeat: median of >= 3, same run
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
 PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "vllm_server": 180, "art_hf": 240}
@@ -466,20 +463,7 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         seconds, steps = timer.end(mark)
         return seconds, sum(len(s[0].token_ids) for s in samples), steps
 
-    async def ungathered(batch: int) -> Run:
-        from art_nb.local.engines.vllm.thread import Gather
-
-        thread = getattr(engine, "_thread", None)
-        before = getattr(thread, "gather", None)
-        if thread is not None:
-            thread.gather = Gather(0, 0)
-        try:
-            return await via_endpoint(batch)
-        finally:
-            if thread is not None:
-                thread.gather = before
-
-    modes: dict[str, Any] = {"endpoint": via_endpoint, "endpoint_ungathered": ungathered,
+    modes: dict[str, Any] = {"endpoint": via_endpoint,
                              "endpoint_logprobs": lambda b: via_endpoint(b, logprobs=True),
                              "endpoint_http": lambda b: via_endpoint(b, http=True),
                              "engine_direct": lambda b: backend.loop.run(direct(b))}
@@ -783,8 +767,7 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
             # Seconds per run (the same tokens every run): the modes of one process took turns, repeat by repeat;
             # plain vLLM ran in its own process, its repeats beside theirs. A row that kept only its rates has no
             # repeats to pair round by round: it stays out, and the ratios above stand on the medians alone
-            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http",
-                                                               "endpoint_ungathered", "plain")
+            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http", "plain")
                      if rows.get(name) and rows[name].get("seconds")}
             if len(timed) > 1:
                 r["head_to_head"] = head_to_head(timed, unit="s per run")

@@ -158,37 +158,6 @@ async def test_lists_models(h: Harness) -> None:
     assert h.server.base_url.startswith("http://127.0.0.1:") and h.server.base_url.endswith("/v1")
 
 
-async def test_each_request_counts_as_coming_until_the_engine_has_it(h: Harness) -> None:
-    """The count a gathering engine waits on (engines/arrivals.py): up while the endpoint holds a request, down
-    when the engine has it, and down on the paths that never reach an engine."""
-    from art_nb.local.engines.arrivals import ARRIVALS
-
-    seen: list[int] = []
-    generate = h.engine.generate
-
-    async def seeing(request: GenerationRequest) -> list[Sample]:
-        seen.append(ARRIVALS.count)
-        return await generate(request)
-
-    h.engine.generate = seeing  # type: ignore[method-assign]
-    try:
-        with pytest.raises(openai.NotFoundError):  # refused before any engine: its count is given back
-            await h.client.chat.completions.create(model="nobody", messages=_user("q"), max_tokens=4)
-        assert ARRIVALS.count == 0
-        await h.gate.pause()  # a train step: the requests wait at the gate, counted, then go on together
-        calls = [h.client.chat.completions.create(model="agent", messages=_user(f"q{i}"), max_tokens=4)
-                 for i in range(5)]
-        running = asyncio.gather(*calls, h.client.completions.create(model="agent", prompt="q", max_tokens=4))
-        while ARRIVALS.count < 6:
-            await asyncio.sleep(0.005)
-        h.gate.resume()
-        await running
-    finally:
-        del h.engine.generate
-    assert ARRIVALS.count == 0
-    assert seen == [5, 4, 3, 2, 1, 0]  # each saw the ones still on their way behind it
-
-
 async def test_n_choices_carry_token_ids_and_logprobs(h: Harness, tokenizer: Any) -> None:
     out = await h.client.chat.completions.create(
         model="agent", messages=_user("hi"), n=3, logprobs=True, top_logprobs=0, temperature=0.7, top_p=0.9, seed=5

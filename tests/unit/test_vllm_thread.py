@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from art_nb.local.engines.vllm.thread import Gather, VLLMThread
+from art_nb.local.engines.vllm.thread import VLLMThread
 
 
 @dataclass
@@ -114,70 +114,14 @@ async def submit_spaced(thread: VLLMThread, engine: FakeEngine, count: int, ever
     return futures
 
 
-async def test_a_burst_arriving_from_idle_starts_in_one_step(thread, engine) -> None:
-    """Requests that come a few ms apart (the endpoint admitting a rollout group) join before the first step."""
-    thread.gather = Gather(quiet_s=0.03, cap_s=1.0)
-    await asyncio.gather(*await submit_spaced(thread, engine, 8, every_s=0.005))
-    assert engine.batches[0] == sorted(f"b{i}" for i in range(8))
-    assert len(engine.batches) == 3
-
-
-async def test_without_gather_a_burst_trickles_into_the_running_batch(thread, engine) -> None:
-    """What the gather prevents: each request joins a step of its own (a prefill outside CUDA graphs on a GPU)."""
-    thread.gather = Gather(0, 0)
-    await asyncio.gather(*await submit_spaced(thread, engine, 8, every_s=0.005, length=30))
-    assert len(engine.batches[0]) < 8
-
-
-async def test_a_stream_of_requests_waits_no_longer_than_the_cap(thread, engine) -> None:
-    thread.gather = Gather(quiet_s=0.05, cap_s=0.04)
+async def test_requests_join_as_they_come_not_held_for_a_burst(thread, engine) -> None:
+    """Each request joins at the next step: holding a burst's adds until it was complete gained no wall time on
+    the GPU (bench/results/h200/README.md), so the first step does not wait for the last request."""
     started = time.monotonic()
-    first = submit(thread, engine, "first", 1)
-    rest = await submit_spaced(thread, engine, 30, every_s=0.005)  # never quiet for 50 ms
-    assert (await first).steps == 1
-    first_step_after = engine.first_step_at - started
-    assert 0.035 < first_step_after < 0.12, first_step_after  # the cap, not the end of the stream (~0.15 s)
-    await asyncio.gather(*rest)
-
-
-async def test_a_request_arriving_mid_batch_waits_for_quiet_then_joins(thread, engine) -> None:
-    thread.gather = Gather(quiet_s=0.02, cap_s=1.0)
-    long = submit(thread, engine, "long", 200)
-    while len(engine.batches) < 3:
-        await asyncio.sleep(0.001)
-    asked = len(engine.batches)
-    late = await submit_spaced(thread, engine, 3, every_s=0.004)
-    await asyncio.gather(*late, long)
-    joined = next(i for i, batch in enumerate(engine.batches) if "b0" in batch)
-    assert engine.batches[joined] == ["b0", "b1", "b2", "long"]  # the three together, not one by one
-    assert joined - asked >= 10  # ~1 ms steps: it waited for the 20 ms of quiet, the batch stepping meanwhile
-
-
-async def test_what_is_asked_after_a_waiting_add_stays_behind_it(thread, engine) -> None:
-    thread.gather = Gather(quiet_s=0.02, cap_s=1.0)
-    first = submit(thread, engine, "a", 1)
-    noted = thread.call(engine.calls.append, "between")
-    first.cancel()  # the client left while its request still waited to join: the engine aborts it
-    thread.abort("a", engine.abort_request)
-    await noted
-    await thread.call(lambda: None)
-    assert engine.calls[:2] == ["add a", "between"] and engine.aborted == ["a"]
-
-
-def test_gather_setting_from_the_environment(monkeypatch) -> None:
-    monkeypatch.delenv("ART_NB_GATHER_MS", raising=False)
-    assert Gather.from_env() == Gather()
-    monkeypatch.setenv("ART_NB_GATHER_MS", "0")
-    off = Gather.from_env()
-    assert off.due_in(first_s=0.0, last_s=0.0, now=0.0) == 0.0
-    monkeypatch.setenv("ART_NB_GATHER_MS", "2, 30")
-    assert Gather.from_env() == Gather(0.002, 0.03)
-    assert Gather(0.002, 0.03).due_in(first_s=1.0, last_s=1.029, now=1.029) == pytest.approx(0.001)  # the cap
-    assert Gather(0.002, 0.03).due_in(first_s=1.0, last_s=1.01, now=1.011) == pytest.approx(0.001)  # the quiet
-    for bad in ("fast", "5,100,3", "-1"):
-        monkeypatch.setenv("ART_NB_GATHER_MS", bad)
-        with pytest.raises(ValueError, match="ART_NB_GATHER_MS"):
-            VLLMThread()  # refused before a thread starts
+    futures = await submit_spaced(thread, engine, 8, every_s=0.005, length=30)
+    assert engine.first_step_at is not None and engine.first_step_at - started < 0.02
+    await asyncio.gather(*futures)
+    assert len(engine.batches[0]) < 8  # the later ones joined the running batch
 
 
 async def test_one_hop_per_step_for_all_the_outputs_it_finished(thread, engine) -> None:
@@ -298,7 +242,6 @@ async def test_gil_switch_interval_is_short_while_a_vllm_thread_steps_and_python
     first, second = VLLMThread(), VLLMThread()
     other_engine = FakeEngine()
     for vllm, its_engine in ((first, engine), (second, other_engine)):
-        vllm.gather = Gather(0, 0)
         vllm.attach(its_engine.step, dead=lambda: None, died=lambda exc: None)
     try:
         assert sys.getswitchinterval() == pytest.approx(before)  # alive, idle
@@ -361,17 +304,12 @@ def test_the_engine_stream_is_the_default_one_unless_asked_and_a_bad_choice_is_r
 
 def test_the_thread_says_what_it_changes_for_vllm(monkeypatch) -> None:
     monkeypatch.delenv("ART_NB_SWITCH_INTERVAL_MS", raising=False)
-    monkeypatch.setenv("ART_NB_GATHER_MS", "2,40")
     thread = VLLMThread()
     try:
-        switch, together = thread.reasons()
+        (switch,) = thread.reasons()
         assert "0.5 ms while vLLM decodes" in switch and "Python's own while it idles" in switch
-        assert "none has come for 2 ms (at most 40 ms)" in together
         monkeypatch.setenv("ART_NB_SWITCH_INTERVAL_MS", "0")
-        monkeypatch.setenv("ART_NB_GATHER_MS", "0")
-        thread.gather = Gather.from_env()
-        assert thread.reasons() == ["Python's GIL switch interval left as it is (thread.py)",
-                                    "every request joins the engine at once (ART_NB_GATHER_MS)"]
+        assert thread.reasons() == ["Python's GIL switch interval left as it is (thread.py)"]
     finally:
         thread.stop()
         thread.join()

@@ -19,7 +19,6 @@ event loop meanwhile. The counts that make it grow are bounded in `schema`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import json
 import time
@@ -39,7 +38,6 @@ from art_nb.secrets import Secret
 from art_nb.store import CheckpointError
 from art_nb.web import MB, ApiError, BearerAuth, RequestGuard, error_handlers, read_json
 
-from ..engines.arrivals import ARRIVALS, arrived
 from ..engines.base import Engine, Sample, SamplingParams
 from .completions import CompletionRequest, completion_body, completion_chunks, completion_params, prompt_ids
 from .gate import InferenceGate
@@ -119,7 +117,6 @@ def create_app(
                 try:
                     engine = served.engine
                     prompt_ids, params = await asyncio.to_thread(prepare, engine) if threaded else prepare(engine)
-                    arrived()
                     return served, prompt_ids, await generate(engine, served.adapter, prompt_ids, params)
                 finally:
                     if served.release is not None:
@@ -177,9 +174,9 @@ def create_app(
     return Starlette(
         routes=[
             Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/chat/completions", _counted(chat_completions), methods=["POST"]),
-            Route("/v1/responses", _counted(responses), methods=["POST"]),
-            Route("/v1/completions", _counted(completions), methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
         ],
         middleware=[
             Middleware(RequestGuard, allowed_origins=allowed_origins, max_body=max_body, body_timeout=body_timeout),
@@ -187,18 +184,6 @@ def create_app(
         ],
         exception_handlers=error_handlers(),
     )
-
-
-def _counted(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """`route`, its request counted as on its way to an engine until `run` submits it: an engine that gathers
-    a burst of requests into one step waits for those (engines/arrivals.py)."""
-
-    @functools.wraps(route)
-    async def counted(request: Request) -> Response:
-        with ARRIVALS.coming():
-            return await route(request)
-
-    return counted
 
 
 async def _request(request: Request, model: type[M]) -> tuple[M, bool]:

@@ -11,13 +11,10 @@ decode step of a 3B model at batch 8; looping here costs ~0.004 ms.
 - Finished outputs go back in one `call_soon_threadsafe` per event loop per step (each waiter
   belongs to the loop that asked; the backend's loop and a benchmark's may both be asking).
 - With nothing unfinished the thread blocks on its queue: no spin, no polling.
-- Requests that arrive together start together (`Gather`): an add waits while the endpoint still holds
-  requests on their way (engines/arrivals.py) and until no other add has come for `quiet_s`, or until the
-  first waiting one has waited `cap_s`. On a GPU a step that admits a request runs
-  its prefill outside the decode CUDA graphs (FULL_DECODE_ONLY, LoRA kernels launched one by one from
-  Python): 53-132 ms for a 3B model on an H200 taking in a wave of 8-256 requests, against 3-12 ms for a
-  decode step (bench/results/h200/gpu_throughput.json). With it every wave is taken in by one such step;
-  without it by two there, in the same wall time.
+- Requests join as they come, not gathered into one step: a step that admits requests runs its prefill
+  outside the decode CUDA graphs (53-132 ms for a 3B model on an H200 against 3-12 ms for a decode step),
+  yet holding a burst's adds until it was complete took every wave in with one such step and gained no
+  wall time, in the endpoint's waves or in a pipelined GRPO step (bench/results/h200/README.md).
 - A `when_idle` call (sleep) waits, with everything queued after it, until no request is unfinished.
 - `step()` raising leaves vLLM in an unknown state: `died(exc)` is told, every waiter fails with
   `dead()`'s error, and no step runs again. Requests queued later fail the same way.
@@ -39,20 +36,17 @@ ART_NB_VLLM_STREAM asks (stream.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import queue
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..arrivals import ARRIVALS
 from .stream import EngineStream
 
 __all__ = ["VLLMThread"]
@@ -75,39 +69,6 @@ class _Add:
     request_id: str
     add: Callable[[], Any]
     waiter: _Waiter
-    arrived: float = 0.0  # when the thread took it off its queue (time.monotonic)
-
-
-@dataclass(frozen=True)
-class Gather:
-    """When a waiting add joins the engine: once no add has arrived for `quiet_s`, or the first one waiting
-    has waited `cap_s` (0, 0: at once)."""
-
-    quiet_s: float = 0.005  # a request's CPU at the endpoint is ~3 ms on an H200 host: a burst's adds come closer
-    cap_s: float = 0.1
-
-    @classmethod
-    def from_env(cls) -> Gather:
-        """ART_NB_GATHER_MS="QUIET,CAP" (milliseconds; "0" admits every request at once)."""
-        raw = os.environ.get(_GATHER_ENV, "").strip()
-        if not raw:
-            return cls()
-        try:
-            parts = [float(part) / 1000 for part in raw.split(",")]
-        except ValueError:
-            parts = []
-        if not 1 <= len(parts) <= 2 or any(part < 0 for part in parts):
-            raise ValueError(f"{_GATHER_ENV}={raw!r}: expected QUIET,CAP in milliseconds, e.g. 5,100")
-        quiet = parts[0]
-        return cls(quiet, parts[1] if len(parts) == 2 else (cls.cap_s if quiet else 0.0))
-
-    def due_in(self, first_s: float, last_s: float, now: float, coming: int = 0) -> float:
-        """Seconds until adds that began waiting at `first_s` (the latest arriving at `last_s`) join, while
-        `coming` more are on their way through the endpoint: <= 0 now."""
-        if self.quiet_s <= 0 or self.cap_s <= 0:
-            return 0.0
-        cap = first_s + self.cap_s - now
-        return cap if coming else min(last_s + self.quiet_s - now, cap)
 
 
 @dataclass
@@ -120,7 +81,6 @@ _STOP = object()
 
 SWITCH_INTERVAL_S = 0.0005  # a toy model of a step (3 ms GPU + 0.4 ms Python) with two busy threads: 12.2 ms at 5 ms, 5.2 ms here
 _SWITCH_ENV = "ART_NB_SWITCH_INTERVAL_MS"
-_GATHER_ENV = "ART_NB_GATHER_MS"
 _switch_lock = threading.Lock()
 _switch_users = 0
 _switch_before: float | None = None
@@ -196,8 +156,6 @@ class VLLMThread:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: deque[Any] = deque()  # taken off the queue, not yet run (behind a when_idle call)
         self._waiters: dict[str, _Waiter] = {}  # request id -> its waiter; touched on this thread only
-        self.gather = Gather.from_env()  # a bad ART_NB_GATHER_MS is refused here, before the thread starts
-        self._last_arrival = 0.0  # of the latest add taken off the queue
         self._lock = threading.Lock()  # submission vs. the thread's exit: nothing is queued after it
         self._stopped = False
         self._step_failed = False
@@ -218,12 +176,7 @@ class VLLMThread:
                   "back soon after each GPU wait, and Python's own while it idles (thread.py)"
                   if 0 < wanted < (_switch_before or sys.getswitchinterval())
                   else "Python's GIL switch interval left as it is (thread.py)")
-        gather = self.gather
-        together = (f"requests arriving together start together: each waits while the endpoint holds more on their "
-                    f"way and until none has come for {gather.quiet_s * 1000:g} ms (at most {gather.cap_s * 1000:g} ms), "
-                    "so a burst is prefilled in one step, not one step each (thread.py; ART_NB_GATHER_MS=0 turns it off)"
-                    if gather.quiet_s > 0 and gather.cap_s > 0 else "every request joins the engine at once (ART_NB_GATHER_MS)")
-        return [reason for reason in (self.stream.reason, switch, together) if reason is not None]
+        return [switch] if self.stream.reason is None else [self.stream.reason, switch]
 
     # ---- submission (any thread) -----------------------------------------------------------------
 
@@ -273,16 +226,14 @@ class VLLMThread:
         try:
             with self.stream.issuing():  # vLLM's kernels on its own stream where one is asked (stream.py)
                 while True:
-                    if not self._waiters:  # nothing to step: sleep until something is asked, or adds are due
+                    if not self._waiters:  # nothing to step
                         if stepping:
                             _release_switch_interval()
                             stepping = False
-                        wait = self._idle_wait()
-                        if wait is None or wait > 0:
-                            with contextlib.suppress(queue.Empty):
-                                self._take(self._queue.get(timeout=wait))
+                        if not self._held:  # sleep until something is asked
+                            self._held.append(self._queue.get())
                     while not self._queue.empty():  # whatever was asked during the last step, in order
-                        self._take(self._queue.get_nowait())
+                        self._held.append(self._queue.get_nowait())
                     if self._run_held(outcomes):
                         break
                     if self._waiters and not stepping:
@@ -305,36 +256,12 @@ class VLLMThread:
                     item.done.set_exception(error)
             outcomes.send()
 
-    def _take(self, item: Any) -> None:
-        if isinstance(item, _Add):
-            item.arrived = self._last_arrival = time.monotonic()
-        self._held.append(item)
-
-    def _adds_due_in(self) -> float:
-        """Seconds until the add at the head of the held items may join (<= 0: now)."""
-        return self.gather.due_in(self._held[0].arrived, self._last_arrival, time.monotonic(), ARRIVALS.count)
-
-    def _idle_wait(self) -> float | None:
-        """How long an idle thread waits for more before running its held items (None: until one comes).
-        While requests are on their way it looks again every `quiet_s`: one may end without reaching it."""
-        if not self._held:
-            return None
-        if not isinstance(self._held[0], _Add):
-            return 0.0
-        return max(0.0, min(self._adds_due_in(), self.gather.quiet_s))
-
     def _run_held(self, outcomes: _Outcomes) -> bool:
-        """Run the held items in order; True once the stop item is reached. Adds wait for `gather`, and
-        what was asked after them waits behind them (the order of calls is kept)."""
-        admitting = False
+        """Run the held items in order; True once the stop item is reached."""
         while self._held:
             item = self._held[0]
             if isinstance(item, _Call) and item.when_idle and self._waiters and self._can_step():
                 return False  # it and everything after it wait for the running requests
-            if isinstance(item, _Add) and not admitting:
-                if self._adds_due_in() > 0:
-                    return False
-                admitting = True  # every add held now joins in this pass
             self._held.popleft()
             if item is _STOP:
                 return True
