@@ -4,7 +4,7 @@
 #   bash bench/run_h200.sh SEGMENT      # on the GPU machine, from the repository root, $OUT set
 #
 # SEGMENT      what runs                                                     expected on an H200
-# throughput   gpu_throughput.py --startup fast eager (plain vLLM + art_nb)   ~7.5 min (fast ~2.5, eager ~4.2)
+# throughput   gpu_throughput.py --startup fast eager (plain vLLM + art_nb + vLLM's server where time is left)   ~9 min
 # step         gpu_step.py (art_nb vs TRL colocated, both vLLM "fast"; 3 interleaved rounds)   ~5 min
 # pipeline     gpu_step.py --art-modes sync pipelined (art_nb's loop with and without art.pipeline vs TRL,
 #              3 interleaved rounds)                                         ~7 min (register ~100 s)
