@@ -14,9 +14,11 @@ is the real one: `create_app` on its loop thread, the real `openai.AsyncOpenAI` 
 client (what `model.openai_client()` returns), tic-tac-toe prompts through the SmolLM2 tokenizer. The
 process holds torch, transformers and peft, as a registered model's does.
 
-Two modes per batch size, interleaved repeat by repeat (median of >= 3 with the spread, per-round
-ratios): `engine_direct` (B requests to the engine, no HTTP) and `endpoint` (B `chat.completions.create`
-calls, heap frozen after set-up, as LocalBackend does after register). Each run
+Three modes per batch size, interleaved repeat by repeat (median of >= 3 with the spread, per-round
+ratios): `engine_direct` (B requests to the engine, no HTTP), `endpoint` (B `chat.completions.create`
+calls, heap frozen after set-up and the collector's oldest generation made rarer, as LocalBackend does
+after register: art_nb/local/release.py) and `endpoint_gc_default` (the same calls with the oldest
+generation at the process's own pace). Each run
 records steps, the steps that took requests in, the time before the first and after the last step, when
 requests reached the engine, and the collector's passes (count and seconds, the oldest generation apart).
 """
@@ -36,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import MIN_REPEATS, ROOT, GcPasses, Results, head_to_head, tokenizer_dir  # noqa: E402
 from endpoint_per_request import TOKENS, Bench, InstantEngine, call, conversations  # noqa: E402
 
-MODES = ("engine_direct", "endpoint")
+from art_nb.local.release import OLDEST_RARER, freeze_heap  # noqa: E402
+
+MODES = ("engine_direct", "endpoint", "endpoint_gc_default")
 
 
 class _Finished:
@@ -119,7 +123,13 @@ async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch:
 
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(direct(), bench.loop.loop))
         else:
-            tokens = await asyncio.gather(*(call(client, "plain", m) for m in prompts))
+            serving = gc.get_threshold()
+            if mode == "endpoint_gc_default":  # the collector's oldest generation at the process's own pace
+                gc.set_threshold(serving[0], serving[1], max(1, serving[2] // OLDEST_RARER))
+            try:
+                tokens = await asyncio.gather(*(call(client, "plain", m) for m in prompts))
+            finally:
+                gc.set_threshold(*serving)
             assert all(t == TOKENS for t in tokens)
         done = time.perf_counter()
     finally:
@@ -143,8 +153,7 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
     passes = GcPasses()
     for batch in args.batch_sizes:  # warm-up: template compilation, connections, per-size caches
         await asyncio.gather(*(call(client, "plain", m) for m in conversations(batch, seed=999)))
-    gc.collect()
-    gc.freeze()  # as LocalBackend does after register
+    freeze_heap()  # as LocalBackend does after register
     results.data["frozen_objects"] = gc.get_freeze_count()
     for batch in args.batch_sizes:
         with results.section(f"B{batch}") as entry:
@@ -158,6 +167,7 @@ async def measure(args: argparse.Namespace, results: Results) -> None:
             medians = {m: statistics.median(r["wall_s"] for r in runs[m]) for m in MODES}
             entry["gc2_s_total"] = {m: round(sum(r["gc2_s"] for r in runs[m]), 4) for m in MODES}
             entry["summary"] = (f"engine_direct / endpoint {medians['engine_direct'] / medians['endpoint']:.3f}; "
+                                f"endpoint_gc_default / endpoint {medians['endpoint_gc_default'] / medians['endpoint']:.3f}; "
                                 f"oldest-generation GC seconds over {args.repeats} waves: {entry['gc2_s_total']}")
     await client.close()
     bench.close()

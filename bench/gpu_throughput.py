@@ -18,7 +18,9 @@ Per start-up mode, two parts, each in its own process:
   HEADLINE; `endpoint_logprobs`, the same with `logprobs=True` (OpenAI's per-token logprob objects as
   well); `endpoint_http`, the headline call from a plain `AsyncOpenAI(base_url=...)` over loopback HTTP
   (any other client; every client before the in-process one); `engine_direct`, the same requests to
-  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's.
+  `engine.generate` (no HTTP), to split the endpoint's cost from the engine's; `endpoint_gc_default`, the
+  headline call with the collector's oldest generation at the process's own pace, not the rarer one a
+  backend sets while it serves (art_nb/local/release.py).
 - `vllm_server`: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, its engine core in a
   process of its own as users run it) started on the same engine arguments, called with the same
   requests from a plain `AsyncOpenAI` over loopback HTTP: the way ART and most RL stacks serve rollouts,
@@ -33,7 +35,7 @@ It also counts the steps that took new requests in (`admitting_steps`: their pre
 decode CUDA graphs) and their seconds.
 
 Device seconds are scarce, so: each batch size is warmed up with a short run (16 tokens), the
-sides of a ratio (`plain`, `endpoint`, `endpoint_http`, `engine_direct`) get `--repeats` runs (3: a
+sides of a ratio (`plain`, `endpoint`, `endpoint_http`, `engine_direct`, `endpoint_gc_default`) get `--repeats` runs (3: a
 median with its spread, and per-round ratios, `_common.head_to_head`, each batch's `head_to_head`) and
 the diagnostic `endpoint_logprobs` `--side-repeats`; a part stops repeating (and says so: `cut_short`) when its next
 round would pass the run's deadline, and a part that cannot start in time is skipped with a message.
@@ -57,6 +59,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -92,9 +95,9 @@ from _common import (
 )
 
 PARTS = ("plain_vllm", "art_vllm", "vllm_server", "art_hf")
-ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct")  # the first is the headline
+ART_MODES = ("endpoint", "endpoint_logprobs", "endpoint_http", "engine_direct", "endpoint_gc_default")  # headline first
 HEADLINE_GOAL = 0.95  # the goal for endpoint / plain
-HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct")  # each gets every repeat: median of >= 3, same run
+HEAD_TO_HEAD = ("endpoint", "endpoint_http", "engine_direct", "endpoint_gc_default")  # each gets every repeat: median of >= 3, same run
 WARMUP_TOKENS = 16
 # Seconds a part may take at most (H200, 3 sizes, default repeats): start-up plus runs, eager being the slowest.
 PART_BUDGET_S = {"plain_vllm": 150, "art_vllm": 220, "vllm_server": 180, "art_hf": 240}
@@ -463,7 +466,19 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         seconds, steps = timer.end(mark)
         return seconds, sum(len(s[0].token_ids) for s in samples), steps
 
+    async def collector_default(batch: int) -> Run:
+        """The headline call with the collector's oldest generation at the process's own pace (release.py)."""
+        from art_nb.local.release import OLDEST_RARER
+
+        serving = gc.get_threshold()
+        gc.set_threshold(serving[0], serving[1], max(1, serving[2] // OLDEST_RARER))
+        try:
+            return await via_endpoint(batch)
+        finally:
+            gc.set_threshold(*serving)
+
     modes: dict[str, Any] = {"endpoint": via_endpoint,
+                             "endpoint_gc_default": collector_default,
                              "endpoint_logprobs": lambda b: via_endpoint(b, logprobs=True),
                              "endpoint_http": lambda b: via_endpoint(b, http=True),
                              "engine_direct": lambda b: backend.loop.run(direct(b))}
@@ -611,8 +626,6 @@ def heap_after_runs() -> dict[str, Any]:
     the references they hold, the five holding most) and what one takes: the oldest generation's passes during
     a wave cost about this much each. Measured on CPU (vLLM's CPU build, the quick run): ~21,000 objects holding
     ~166,000 references took 22 ms a pass, 1 us an object: a reference into the frozen heap is a cache miss."""
-    import gc
-
     young = gc.get_objects()
     fanout = sorted(((len(gc.get_referents(o)), type(o).__qualname__) for o in young), reverse=True)[:5]
     references = sum(len(gc.get_referents(o)) for o in young)
@@ -767,7 +780,8 @@ def compare(sections: dict[str, Any], modes: list[str]) -> dict[str, Any]:
             # Seconds per run (the same tokens every run): the modes of one process took turns, repeat by repeat;
             # plain vLLM ran in its own process, its repeats beside theirs. A row that kept only its rates has no
             # repeats to pair round by round: it stays out, and the ratios above stand on the medians alone
-            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http", "plain")
+            timed = {name: rows[name]["seconds"] for name in ("engine_direct", "endpoint", "endpoint_http",
+                                                              "endpoint_gc_default", "plain")
                      if rows.get(name) and rows[name].get("seconds")}
             if len(timed) > 1:
                 r["head_to_head"] = head_to_head(timed, unit="s per run")

@@ -11,6 +11,17 @@ server does after start-up, though vLLM 0.25 freezes before art_nb's trainer is 
 later (rollouts, steps, adapters) are collected as always; frozen ones are still freed by reference
 counting, only cycles among them wait for the thaw.
 
+What a rollout wave makes is still scanned: on the H200, a wave of 256 requests through the endpoint
+left ~77,000 objects for each oldest-generation pass (136 ms a pass, ~1 us an object: their references
+into the frozen heap miss the cache), and at the collector's default thresholds it set off one or two
+such passes per wave. While a backend serves, the oldest generation is therefore collected a tenth as
+often as the process had it (`OLDEST_RARER`: by default after 100 passes of the middle generation
+instead of 10); the young generations keep their pace, so short-lived cycles are freed as soon as
+before, and a collector the user turned off stays off; on a GPU each train step still ends with a full
+collection (the trainer's, before it hands cached blocks back), so no cycle holds device memory past a
+step. The thaw puts the thresholds back. (An incremental collector, which ignores the third threshold,
+is left as it is.)
+
 A closed backend's model, optimizer and caches are freed, but glibc keeps freed heap pages in the
 arenas of the threads that used them: on SmolLM2-135M on CPU, each register + train step + close left
 about 0.5 GB resident (and the loop's threads) without this, none with it (`bench/backend_close_memory.py`:
@@ -25,16 +36,27 @@ import ctypes.util
 import gc
 import sys
 
-__all__ = ["freeze_heap", "release_freed_memory"]
+__all__ = ["OLDEST_RARER", "freeze_heap", "release_freed_memory"]
+
+OLDEST_RARER = 10  # while a backend serves, the oldest generation's threshold is this many times the process's
+_user_thresholds: tuple[int, ...] | None = None  # what the process had before the first freeze
 
 
 def freeze_heap() -> None:
+    global _user_thresholds
     gc.collect()
     gc.freeze()
+    if _user_thresholds is None:
+        _user_thresholds = young, middle, oldest = gc.get_threshold()
+        gc.set_threshold(young, middle, oldest * OLDEST_RARER)
 
 
 def release_freed_memory() -> None:
+    global _user_thresholds
     gc.unfreeze()
+    if _user_thresholds is not None:
+        gc.set_threshold(*_user_thresholds)
+        _user_thresholds = None
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
