@@ -289,6 +289,20 @@ class Results:
                   f" ({entry['section_s']} s)", flush=True)
 
 
+@contextlib.contextmanager
+def collector_at_default_pace() -> Iterator[None]:
+    """The collector's oldest generation at the process's own pace for a block, not the rarer one a backend
+    sets while it serves (art_nb/local/release.py): the side a benchmark measures that choice against."""
+    from art_nb.local.release import OLDEST_RARER
+
+    serving = gc.get_threshold()
+    gc.set_threshold(serving[0], serving[1], max(1, serving[2] // OLDEST_RARER))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*serving)
+
+
 class GcPasses:
     """The garbage collector's passes while armed: how many and how long, the oldest generation apart.
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import statistics
 import sys
@@ -35,10 +36,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MIN_REPEATS, ROOT, GcPasses, Results, head_to_head, tokenizer_dir  # noqa: E402
+from _common import (  # noqa: E402
+    MIN_REPEATS,
+    ROOT,
+    GcPasses,
+    Results,
+    collector_at_default_pace,
+    head_to_head,
+    tokenizer_dir,
+)
 from endpoint_per_request import TOKENS, Bench, InstantEngine, call, conversations  # noqa: E402
 
-from art_nb.local.release import OLDEST_RARER, freeze_heap  # noqa: E402
+from art_nb.local.release import freeze_heap  # noqa: E402
 
 MODES = ("engine_direct", "endpoint", "endpoint_gc_default")
 
@@ -123,13 +132,9 @@ async def one_run(bench: Bench, client: Any, passes: GcPasses, mode: str, batch:
 
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(direct(), bench.loop.loop))
         else:
-            serving = gc.get_threshold()
-            if mode == "endpoint_gc_default":  # the collector's oldest generation at the process's own pace
-                gc.set_threshold(serving[0], serving[1], max(1, serving[2] // OLDEST_RARER))
-            try:
+            pace = collector_at_default_pace() if mode == "endpoint_gc_default" else contextlib.nullcontext()
+            with pace:
                 tokens = await asyncio.gather(*(call(client, "plain", m) for m in prompts))
-            finally:
-                gc.set_threshold(*serving)
             assert all(t == TOKENS for t in tokens)
         done = time.perf_counter()
     finally:

@@ -78,6 +78,7 @@ from _common import (
     STARTUP_MODES,
     GcPasses,
     Results,
+    collector_at_default_pace,
     default_out_dir,
     describe_graphs,
     gpu_memory,
@@ -467,15 +468,8 @@ async def art_endpoint(args: argparse.Namespace, write: Any, engine_kind: str) -
         return seconds, sum(len(s[0].token_ids) for s in samples), steps
 
     async def collector_default(batch: int) -> Run:
-        """The headline call with the collector's oldest generation at the process's own pace (release.py)."""
-        from art_nb.local.release import OLDEST_RARER
-
-        serving = gc.get_threshold()
-        gc.set_threshold(serving[0], serving[1], max(1, serving[2] // OLDEST_RARER))
-        try:
+        with collector_at_default_pace():
             return await via_endpoint(batch)
-        finally:
-            gc.set_threshold(*serving)
 
     modes: dict[str, Any] = {"endpoint": via_endpoint,
                              "endpoint_gc_default": collector_default,
