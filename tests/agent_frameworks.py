@@ -18,7 +18,7 @@ and each sample's ids and logprobs. `TrainTap` wraps the trainer's `prepare_batc
 step trains. `check_trained` says a trained sequence is the engine's own work: every run of trained ids
 is one whole sample (ids and logprobs) of a call whose prompt was exactly every id before it, and the
 sequence ends with a sample. `train_exactly` runs that over a group, with no capture refused, no
-template fallback, and every trajectory trained.
+template fallback, and every trajectory trained (as one sequence, or one per part where its history parts).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 
 import art_nb as art
 from art_nb.grpo.captured import CaptureRefused
-from art_nb.grpo.tokens import tokenize_trajectory
+from art_nb.grpo.tokens import training_sequences
 
 __all__ = ["EXAMPLES", "FOLLOW_UP", "MAX_TOKENS", "QUESTION", "ROLLOUTS", "SYSTEM", "TINY", "EngineTap", "Served",
            "TrainTap", "called_tool", "check_trained", "example_reply", "rollouts_train_exactly", "served",
@@ -150,19 +150,25 @@ def called_tool(trajectory: art.Trajectory) -> bool:
                for call in choice.message.get("tool_calls") or [])
 
 
-async def train_exactly(served: Served, group: art.TrajectoryGroup, framework: str, turns: int = 2) -> dict[str, int]:
+async def train_exactly(served: Served, group: art.TrajectoryGroup, framework: str, turns: int = 2,
+                        parts: bool = False) -> dict[str, int]:
     """Assert what the module docstring says for `group` and train one step on it; the counts printed.
-    Each trajectory holds `turns` model calls at least, unless its rollout logged that the agent stopped."""
+    Each trajectory holds `turns` model calls at least, unless its rollout logged that the agent stopped.
+    With `parts`, a trajectory whose history parts trains as several sequences (grpo/captured.py), and
+    every call's sample is trained exactly once over them; without, each trajectory is one sequence."""
     trajectories = group.trajectories
     refused: list[str] = []
+    sequences: list[int] = []
     for t in trajectories:
         assert t.exchanges, f"the agent's calls were not recorded: {t.logs}"
         try:
-            seq = tokenize_trajectory(served.tokenizer, t, 10**6)
+            made = training_sequences(served.tokenizer, t, 10**6)
         except CaptureRefused as error:
             refused.append(str(error))
             continue
-        assert seq.template_fallbacks == 0 and seq.retokenized_choices == 0
+        assert parts or len(made) == 1, f"the history parted: {made[-1].parted}"
+        assert all(seq.template_fallbacks == 0 and seq.retokenized_choices == 0 for seq in made)
+        sequences.append(len(made))
     assert not refused, f"{len(refused)} of {len(trajectories)} refused; the first: {refused[0]}"
     for i, t in enumerate(trajectories):  # a reward for calling the tool; tied rewards train nothing
         t.reward = float(called_tool(t)) + 0.001 * i
@@ -170,13 +176,16 @@ async def train_exactly(served: Served, group: art.TrajectoryGroup, framework: s
     assert result.step == await served.model.get_step()
     assert result.metrics["template_fallbacks"] == 0 and result.metrics["retokenized_choices"] == 0
     batch = served.trainer.batches[-1]
-    assert len(batch.items) == len(trajectories), "every rollout is one trained sequence"
+    assert len(batch.items) == sum(sequences), "every rollout is trained, each part of it a sequence"
     engine_calls = served.engine.by_prompt()
-    samples = [check_trained(item, engine_calls) for item in batch.items]  # in the trajectories' order
+    trained = iter([check_trained(item, engine_calls) for item in batch.items])  # in the trajectories' order
+    samples = [sum(next(trained) for _ in range(n)) for n in sequences]
     for t, calls in zip(trajectories, samples, strict=True):
         assert calls >= turns or any(line.startswith("agent stopped") for line in t.logs), (calls, t.logs)
+        assert not parts or calls == len(t.exchanges), "every call's sample trains once"
     counts = {"rollouts": len(trajectories), "called the tool": sum(called_tool(t) for t in trajectories),
-              "model calls": sum(samples), "fewest calls in a rollout": min(samples)}
+              "model calls": sum(samples), "fewest calls in a rollout": min(samples),
+              "sequences": sum(sequences)}
     print(f"\n{framework}: {counts}")
     return counts
 

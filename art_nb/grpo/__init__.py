@@ -8,7 +8,7 @@ from .advantages import PreparedBatch, group_advantages, prepare_batch
 from .logprobs import token_logprobs
 from .losses import masked_mean
 from .step import grpo_step
-from .tokens import TokenizedTrajectory, tokenize_trajectory
+from .tokens import TokenizedTrajectory, tokenize_trajectory, training_sequences
 
 __all__ = [
     "PreparedBatch",
@@ -19,4 +19,5 @@ __all__ = [
     "prepare_batch",
     "token_logprobs",
     "tokenize_trajectory",
+    "training_sequences",
 ]

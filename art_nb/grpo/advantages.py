@@ -15,6 +15,10 @@ With `TrainConfig.mask_truncated_completions` (TRL's name, DAPO's overlong filte
 whose last Choice stopped at the token limit (finish_reason "length") or that `max_seq_len` cut is
 left out of the loss, after the advantages of its group were computed with it, and counted
 (`masked_truncated`): its reward judged an unfinished answer, not the answer the policy would give.
+
+A trajectory trains as one sequence per conversation: its own, each of its `additional_histories`, and
+for captured calls whose history parts (grpo/captured.py), one per part (`parted_histories` counts
+those extra sequences); all of them get the trajectory's advantage.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from ..config import TrainConfig
 from ..records import mean_and_std
 from ..trajectories import Choice, History, Trajectory, TrajectoryGroup
-from .tokens import TokenizedTrajectory, tokenize_trajectory
+from .tokens import TokenizedTrajectory, training_sequences
 
 __all__ = ["PreparedBatch", "group_advantages", "prepare_batch"]
 
@@ -63,6 +67,7 @@ class PreparedBatch:
     retokenized_choices: int = 0  # Choices without `token_ids`, trained on their re-tokenised text
     template_fallbacks: int = 0  # turns realigned because the chat template rewrote history
     masked_truncated: int = 0  # sequences left out by mask_truncated_completions
+    parted_histories: int = 0  # extra sequences of captured trajectories whose history parted (grpo/captured.py)
     reward_mean: float = 0.0
     reward_std: float = 0.0
     max_seq_len: int = 0  # the tokenisation limit; dr_grpo's default constant
@@ -78,6 +83,7 @@ class PreparedBatch:
             "retokenized_choices": float(self.retokenized_choices),
             "template_fallbacks": float(self.template_fallbacks),
             "masked_truncated": float(self.masked_truncated),
+            "parted_histories": float(self.parted_histories),
             "reward_mean": self.reward_mean,  # not "reward": the history keeps the rollouts' own train/reward
             "reward_std": self.reward_std,
         }
@@ -114,25 +120,28 @@ def prepare_batch(
             for k, history in enumerate([trajectory, *trajectory.additional_histories]):
                 where = f"groups[{index}].trajectories[{j}]" + (f".additional_histories[{k - 1}]" if k else "")
                 try:
-                    item = tokenize_trajectory(tokenizer, history, max_seq_len)
+                    items = training_sequences(tokenizer, history, max_seq_len)
                 except Exception as error:  # e.g. a chat template that rejects the conversation
                     raise ValueError(f"{where} could not be tokenized for training: "
                                      f"{type(error).__name__}: {error}") from error
-                if vocab_size is not None:
-                    _check_vocabulary(item.input_ids, vocab_size, where)
-                batch.truncated += item.truncated
-                batch.retokenized_choices += item.retokenized_choices
-                batch.template_fallbacks += item.template_fallbacks
-                if item.trainable_tokens == 0:
-                    batch.skipped_trajectories += k == 0  # a history without a Choice is only context
-                    continue
-                if config.mask_truncated_completions and (item.truncated or _stopped_at_length(history)):
-                    batch.masked_truncated += 1
-                    continue
-                item.advantage = advantage
-                item.group_index = index
-                batch.items.append(item)
-                used = True
+                batch.parted_histories += len(items) - 1
+                for part, item in enumerate(items):
+                    if vocab_size is not None:
+                        _check_vocabulary(item.input_ids, vocab_size, where)
+                    batch.truncated += item.truncated
+                    batch.retokenized_choices += item.retokenized_choices
+                    batch.template_fallbacks += item.template_fallbacks
+                    if item.trainable_tokens == 0:
+                        batch.skipped_trajectories += k == 0 and part == 0  # a history without a Choice is context
+                        continue
+                    last = part == len(items) - 1  # the trajectory's last reply ends the last part
+                    if config.mask_truncated_completions and (item.truncated or last and _stopped_at_length(history)):
+                        batch.masked_truncated += 1
+                        continue
+                    item.advantage = advantage
+                    item.group_index = index
+                    batch.items.append(item)
+                    used = True
         batch.groups += used
     return batch
 

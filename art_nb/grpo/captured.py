@@ -1,4 +1,4 @@
-"""Captured calls -> one training sequence, from the server's own token ids, with no re-rendering.
+"""Captured calls -> training sequences, from the server's own token ids, with no re-rendering.
 
 The recorded ids are the truth: call 0 contributes its prompt ids (not trained) and its sampled ids
 (trained, with the server's logprobs); each later call must *extend* what came before, i.e. its
@@ -12,17 +12,20 @@ server's tokenizer split it differently, e.g. "Hel"+"lo" re-encoded as "Hello"),
 append-only as text: the earlier ids stay as sampled and the new call's ids continue from the first
 token boundary where its text has covered the earlier text. Counted as `template_fallbacks`.
 
-Refused, with a message that names the call and shows where the histories part:
-- a call whose prompt does not extend the history (a client that edits, reorders or truncates the
-  conversation, or swaps its system prompt; with `ModelConfig(assistant_turns="rendered")`, also a
-  chat template that rewrites earlier turns, e.g. Qwen3 dropping earlier `<think>` blocks: by
-  default art_nb's endpoint gives a turn it sampled back as the sampled ids, local/server/turns.py);
-  pick one branch (`trajectory.exchanges = trajectory.exchanges[k:]`) to train on what is left.
-  Where the requests themselves show the cause, the message names it: the call was sent under
-  another system prompt than the one before it (smolagents asks for its final answer that way), or
-  the reply the call before it sampled is not among its messages as the endpoint returned it (an
-  agent that rewrites replies: smolagents' CodeAgent appends its closing code tag, its
-  ToolCallingAgent sends a call back as its own "Calling tools:" text);
+A call whose prompt does not extend the history parts it: the calls before it are one sequence and
+the calls from it on the next (`captured_sequences`), each exactly as sampled, so every sampled token
+is trained once, after exactly the prompt it was sampled from; a train step gives every part the
+trajectory's advantage, as it does ART's `additional_histories`. That is how agents that do not keep
+one growing conversation train: a client that edits, reorders or truncates the conversation or swaps
+its system prompt (smolagents asks for its final answer under a system prompt of its own), or sends
+a reply back changed (smolagents' CodeAgent appends its closing code tag, its ToolCallingAgent sends a
+call back as its own "Calling tools:" text); with `ModelConfig(assistant_turns="rendered")`, also a
+chat template that rewrites earlier turns (by default art_nb's endpoint gives a turn it sampled back
+as the sampled ids, local/server/turns.py). Each part after the first says where and why it parted
+(`CapturedSequence.parted`: the call, the two texts where they differ, and the cause where the
+requests show it); `captured_sequence`, for one sequence only, refuses such calls with that text.
+
+Refused, with a message that names the call:
 - a call with several choices that is not followed by a call continuing exactly one of them (a
   branch; choices with the very same ids count as one); for the last call only `n=1` is accepted;
 - calls to different models in one trajectory (use `art.no_capture()` around the other model).
@@ -46,13 +49,14 @@ from typing import Any
 
 from ..capture import CapturedCall, CapturedChoice
 
-__all__ = ["CaptureRefused", "CapturedSequence", "captured_sequence"]
+__all__ = ["CaptureRefused", "CapturedSequence", "captured_sequence", "captured_sequences"]
 
 _SHOW = 60  # characters of context shown either side of a divergence
 
 
 class CaptureRefused(ValueError):
-    """The captured calls cannot be trained on exactly as one sequence; the message says why and where."""
+    """The captured calls cannot be trained on exactly (as one sequence, where one was asked for); the
+    message says why and where."""
 
 
 @dataclass
@@ -64,33 +68,39 @@ class CapturedSequence:
     engine_logprobs: list[float]
     realigned: int
     stop_trimmed: int = 0  # replies whose ids after a stop string's start were dropped (module docstring)
+    parted: str | None = None  # why this sequence starts anew at its first call (None: the trajectory's first)
 
 
 def captured_sequence(tokenizer: Any, calls: list[CapturedCall]) -> CapturedSequence:
-    """The training sequence for `calls` (see the module docstring); raises CaptureRefused."""
+    """`calls` as one training sequence; CaptureRefused where a call parts the history (module docstring)."""
+    first, *parts = captured_sequences(tokenizer, calls)
+    if parts:
+        raise CaptureRefused(parts[0].parted)
+    return first
+
+
+def captured_sequences(tokenizer: Any, calls: list[CapturedCall]) -> list[CapturedSequence]:
+    """The training sequences for `calls`: one, and one more at each call that parts the history (see the
+    module docstring); raises CaptureRefused."""
     _one_model(calls)
+    done: list[CapturedSequence] = []
     ids: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
     realigned = trimmed = 0
+    parted: str | None = None
     chosen: CapturedChoice | None = None  # the previous call's chosen sample, last in `ids`
     for k, call in enumerate(calls):
         prompt = call.prompt_token_ids
         start = 0
         if chosen is not None:  # k > 0
-            sampled = chosen.token_ids
-            parting = _Parting(calls, k, chosen, len(ids) - len(sampled))
             try:
-                start, by_text = _continuation(tokenizer, ids, prompt, parting)
-            except CaptureRefused:
-                keep = _kept_before_stop(tokenizer, sampled, _stops(calls[k - 1]))
-                if keep is None:
-                    raise
-                drop = len(sampled) - keep
-                try:
-                    start, by_text = _continuation(tokenizer, ids[: len(ids) - drop], prompt, parting)
-                except CaptureRefused as refused:
-                    raise CaptureRefused(f"{refused}\n{_STOP_HINT.format(k=k - 1)}") from None
+                start, by_text, drop = _joined(tokenizer, calls, k, chosen, ids)
+            except _Parted as part:  # the calls from k on are a sequence of their own
+                done.append(CapturedSequence(ids, mask, logprobs, realigned, trimmed, parted))
+                ids, mask, logprobs, realigned, trimmed, parted = [], [], [], 0, 0, str(part)
+                start, by_text, drop = 0, 0, 0
+            if drop:
                 del ids[len(ids) - drop:], mask[len(mask) - drop:], logprobs[len(logprobs) - drop:]
                 trimmed += 1
             realigned += by_text
@@ -101,7 +111,32 @@ def captured_sequence(tokenizer: Any, calls: list[CapturedCall]) -> CapturedSequ
         ids += chosen.token_ids
         mask += [True] * len(chosen.token_ids)
         logprobs += chosen.logprobs if chosen.logprobs is not None else [math.nan] * len(chosen.token_ids)
-    return CapturedSequence(ids, mask, logprobs, realigned, trimmed)
+    return [*done, CapturedSequence(ids, mask, logprobs, realigned, trimmed, parted)]
+
+
+class _Parted(Exception):
+    """Call k's prompt does not extend the history: its text says where and why."""
+
+
+def _joined(tokenizer: Any, calls: list[CapturedCall], k: int, chosen: CapturedChoice,
+            ids: list[int]) -> tuple[int, int, int]:
+    """How call k's prompt continues `ids` (which end with call k-1's `chosen` sample): (where its new part
+    starts, 1 if found by text, how many of the sample's last ids to drop: those after a stop string's
+    start); _Parted when it does not continue them, even so."""
+    sampled = chosen.token_ids
+    parting = _Parting(calls, k, chosen, len(ids) - len(sampled))
+    prompt = calls[k].prompt_token_ids
+    try:
+        return (*_continuation(tokenizer, ids, prompt, parting), 0)
+    except _Parted:
+        keep = _kept_before_stop(tokenizer, sampled, _stops(calls[k - 1]))
+        if keep is None:
+            raise
+    drop = len(sampled) - keep
+    try:
+        return (*_continuation(tokenizer, ids[: len(ids) - drop], prompt, parting), drop)
+    except _Parted as part:
+        raise _Parted(f"{part}\n{_STOP_HINT.format(k=k - 1)}") from None
 
 
 _STOP_HINT = ("Call {k} asked for stop strings and its reply was cut at one, yet the history does not extend even "
@@ -202,42 +237,38 @@ def _continuation(tokenizer: Any, history: list[int], prompt: list[int], parting
                 break
     at = next((i for i, (a, b) in enumerate(zip(old_text, new_text)) if a != b), min(len(old_text), len(new_text)))
     in_reply = at >= len(tokenizer.decode(history[: parting.reply_start], skip_special_tokens=False))
-    raise CaptureRefused(_divergence(parting.k, old_text, new_text, at, _cause(parting, in_reply)))
+    raise _Parted(_divergence(parting.k, old_text, new_text, at, _cause(parting, in_reply)))
 
 
 def _divergence(k: int, old: str, new: str, at: int, cause: str | None) -> str:
     lo = max(0, at - _SHOW)
     return (f"captured call {k}'s prompt does not extend the history before it (call {k - 1}'s prompt + the "
-            f"tokens it sampled), so no single sequence holds both exactly. They part at character {at}:\n"
+            f"tokens it sampled), so no single sequence holds both exactly: a train step trains the calls from "
+            f"call {k} on as a sequence of their own. They part at character {at}:\n"
             f"  history so far: {old[lo:at + _SHOW]!r}\n"
             f"  call {k}'s prompt:  {new[lo:at + _SHOW]!r}\n" + (cause or (
                 "Usual cause: the agent edited, reordered or truncated its conversation, or changed its system prompt "
                 "(art_nb's endpoint gives back a turn it sampled as the sampled ids only while the client sends that "
                 "turn and everything before it unchanged); with ModelConfig(assistant_turns='rendered'), also a chat "
-                "template that rewrites earlier turns (e.g. drops earlier <think> blocks). To train on one branch, keep "
-                "only the calls that extend "
-                f"each other, e.g. `trajectory.exchanges = trajectory.exchanges[{k}:]`.")))
+                "template that rewrites earlier turns (e.g. drops earlier <think> blocks).")))
 
 
 def _cause(parting: _Parting, in_reply: bool) -> str | None:
-    """The client's doing that the two requests show, in words with the fix; None when they show none."""
+    """The client's doing that the two requests show, in words; None when they show none."""
     k, before, now = parting.k, parting.calls[parting.k - 1].request, parting.calls[parting.k].request
-    keep = (f"To train on what the agent did, keep the calls that extend each other: the ones before it "
-            f"(`trajectory.exchanges = trajectory.exchanges[:{k}]`) or from it on (`[{k}:]`).")
     if not in_reply and _system_prompt(before) != _system_prompt(now):
         return (f"Cause: the agent swapped its system prompt: call {k} was sent under another system prompt than call "
                 f"{k - 1} (now {_system_prompt(now)[:_SHOW]!r}), so its prompt cannot start with the history. "
                 "smolagents' agents do this when they reach max_steps: `provide_final_answer` asks for the final "
-                "answer under a system prompt of its own. Make such a call inside `with art.no_capture():` to leave "
-                f"it out of the trajectory. {keep}")
+                "answer under a system prompt of its own (make such a call inside `with art.no_capture():` to leave "
+                "it out of the trajectory).")
     messages = now.get("messages")  # chat only: a Responses call may hold its history server-side
     sent = [_canonical(m) for m in messages or [] if isinstance(m, dict) and m.get("role") == "assistant"]
     if in_reply and isinstance(messages, list) and _canonical(parting.reply.message) not in sent:
         return (f"Cause: the agent sent call {k - 1}'s reply back changed: call {k}'s messages do not hold it as the "
-                "endpoint returned it, so the model would be trained on a reply it never saw in its next prompt. "
+                "endpoint returned it, so what the model saw next does not follow the reply it sampled. "
                 "smolagents does this: CodeAgent appends its closing code tag to a reply without one, and "
-                "ToolCallingAgent sends a tool call back as its own 'Calling tools:' text instead of the reply. "
-                f"{keep}")
+                "ToolCallingAgent sends a tool call back as its own 'Calling tools:' text instead of the reply.")
     return None
 
 

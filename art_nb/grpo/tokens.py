@@ -1,4 +1,5 @@
-"""Trajectory -> one token sequence with a trainable mask, token-exact.
+"""Trajectory -> a token sequence with a trainable mask, token-exact (captured calls whose history
+parts: one per part, `training_sequences`).
 
 The sequence is what the chat template renders for the conversation, with one exception: every
 `Choice` contributes exactly the token ids the engine sampled (its `token_ids` extra field), not a
@@ -28,9 +29,9 @@ from typing import Any
 
 from ..tool_prompt import template_inputs
 from ..trajectories import Choice, History, Trajectory, template_message
-from .captured import captured_sequence
+from .captured import CapturedSequence, captured_sequence, captured_sequences
 
-__all__ = ["TokenizedTrajectory", "sampled_token_ids", "tokenize_trajectory"]
+__all__ = ["TokenizedTrajectory", "sampled_token_ids", "tokenize_trajectory", "training_sequences"]
 
 _PROBE = "\u2063art_nb_probe\u2063"  # content no template alters, to locate the end-of-turn text
 
@@ -47,6 +48,7 @@ class TokenizedTrajectory:
     truncated: bool = False
     retokenized_choices: int = 0
     template_fallbacks: int = 0
+    parted: str | None = None  # captured calls only: why this sequence starts anew (grpo/captured.py)
 
     def __post_init__(self) -> None:
         if not len(self.input_ids) == len(self.assistant_mask) == len(self.engine_logprobs):
@@ -78,11 +80,7 @@ def tokenize_trajectory(tokenizer: Any, trajectory: Trajectory | History, max_se
     counts and skips it. Sequences longer than `max_seq_len` are cut and marked `truncated`.
     """
     if isinstance(trajectory, Trajectory) and trajectory.exchanges:  # the server's ids, no re-rendering
-        seq = captured_sequence(tokenizer, trajectory.exchanges)
-        return TokenizedTrajectory(
-            input_ids=seq.input_ids[:max_seq_len], assistant_mask=seq.assistant_mask[:max_seq_len],
-            engine_logprobs=seq.engine_logprobs[:max_seq_len], truncated=len(seq.input_ids) > max_seq_len,
-            template_fallbacks=seq.realigned)
+        return _from_captured(captured_sequence(tokenizer, trajectory.exchanges), max_seq_len)
     items = trajectory.messages_and_choices
     messages = trajectory.messages()
     walk = _Walk(tokenizer, trajectory.tools)
@@ -106,6 +104,22 @@ def tokenize_trajectory(tokenizer: Any, trajectory: Trajectory | History, max_se
         walk.rendered = after
     walk.flush()
     return walk.result(max_seq_len)
+
+
+def training_sequences(tokenizer: Any, trajectory: Trajectory | History, max_seq_len: int) -> list[TokenizedTrajectory]:
+    """What a train step makes of one conversation: `tokenize_trajectory`'s one sequence, except for captured
+    calls whose history parts (an agent that swaps its system prompt or sends a reply back changed, as
+    smolagents' do): one sequence per part, each exactly as sampled (grpo/captured.py)."""
+    if isinstance(trajectory, Trajectory) and trajectory.exchanges:
+        return [_from_captured(seq, max_seq_len) for seq in captured_sequences(tokenizer, trajectory.exchanges)]
+    return [tokenize_trajectory(tokenizer, trajectory, max_seq_len)]
+
+
+def _from_captured(seq: CapturedSequence, max_seq_len: int) -> TokenizedTrajectory:
+    return TokenizedTrajectory(
+        input_ids=seq.input_ids[:max_seq_len], assistant_mask=seq.assistant_mask[:max_seq_len],
+        engine_logprobs=seq.engine_logprobs[:max_seq_len], truncated=len(seq.input_ids) > max_seq_len,
+        template_fallbacks=seq.realigned, parted=seq.parted)
 
 
 class _Walk:

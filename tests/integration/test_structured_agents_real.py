@@ -6,9 +6,9 @@ inside `art.trajectory(...)`, gets a reply its own parser accepts, and trains a 
 ids the engine sampled; the step is finite and reports the grammar's share of the mismatch
 (`mismatch_logprob_abs`: on a CPU the engine and the trainer agree to ~1e-6 otherwise).
 
-smolagents writes an earlier tool call back into the conversation as text ("Calling tools: [...]"),
-so a run of several calls is not one append-only history (docs/capture.md); its rollout keeps the
-first call, the forced tool call, as the capture docs say to keep a branch."""
+smolagents asks for its final answer under a system prompt of its own and writes an earlier tool call
+back into the conversation as text ("Calling tools: [...]"), so a run of several calls is not one
+append-only history: its calls train as a sequence per part (docs/capture.md), every sample once."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import art_nb as art
-from art_nb.grpo.tokens import tokenize_trajectory
+from art_nb.grpo.tokens import training_sequences
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -51,10 +51,10 @@ async def train_on_sampled_ids(backend: art.LocalBackend, model: art.TrainableMo
     tokenizer = backend._runtime.state(model).trainer.tokenizer  # what training tokenises with
     for i, traj in enumerate(group.trajectories):
         assert traj.exchanges, f"the framework's calls were not recorded: {traj.logs}"
-        seq = tokenize_trajectory(tokenizer, traj, 2048)
-        assert seq.retokenized_choices == 0 and seq.template_fallbacks == 0
+        parts = training_sequences(tokenizer, traj, 2048)  # one, unless the agent's history parts (smolagents)
+        assert all(seq.retokenized_choices == 0 and seq.template_fallbacks == 0 for seq in parts)
         sampled = [t for call in traj.exchanges for t in call.choices[0].token_ids]
-        assert [t for t, m in zip(seq.input_ids, seq.assistant_mask, strict=True) if m] == sampled
+        assert [t for seq in parts for t, m in zip(seq.input_ids, seq.assistant_mask, strict=True) if m] == sampled
         traj.reward += 0.01 * i  # a group whose rewards tie trains nothing
     step = await model.get_step()
     result = await model.train([group], config=art.TrainConfig(learning_rate=1e-4))
@@ -146,12 +146,11 @@ async def test_smolagents_tool_calling_agent_trains(served) -> None:
         answer = await asyncio.to_thread(run, city)
         traj = art.current_trajectory(required=True)
         traj.reward = float(city in str(answer)) + float(city in looked_up)
-        traj.exchanges = traj.exchanges[:1]  # the forced tool call (module docstring)
 
     group = await art.trajectory_group([art.trajectory(rollout(city)) for city in CITIES])
     tokenizer = backend._runtime.state(model).trainer.tokenizer
     for traj in group.trajectories:
-        [call] = traj.exchanges
+        call = traj.exchanges[0]  # the step's forced tool call (then, unless it was final_answer, the final answer)
         choice = call.choices[0]
         assert call.request["tool_choice"] == "required" and call.request["parallel_tool_calls"] is False
         text = tokenizer.decode(choice.token_ids, skip_special_tokens=True)

@@ -23,7 +23,7 @@ import requests
 
 import art_nb as art
 from art_nb.grpo.captured import CaptureRefused
-from art_nb.grpo.tokens import tokenize_trajectory
+from art_nb.grpo.tokens import tokenize_trajectory, training_sequences
 from art_nb.local.engines.base import GenerationRequest, Sample
 from art_nb.local.server import InferenceGate, ServedModel, create_app, start_server
 from art_nb.local.server.turns import configure
@@ -237,7 +237,7 @@ async def test_mixed_models_are_refused(srv: Any) -> None:
     await client.close()
 
 
-async def test_a_template_that_drops_think_trains_exactly_and_rendered_turns_are_refused_naming_the_call(
+async def test_a_template_that_drops_think_trains_exactly_and_rendered_turns_part_the_history_naming_the_call(
         srv: Any) -> None:
     for name in ("thinker", "thinker-rendered"):
         srv.engines[name].script = lambda prompt: "<think>plan it</think>four"
@@ -251,9 +251,10 @@ async def test_a_template_that_drops_think_trains_exactly_and_rendered_turns_are
         tokenize_trajectory(srv.engines["thinker-rendered"].tokenizer, t, 10_000)
     message = str(refused.value)
     assert "captured call 1's prompt does not extend" in message and "<think>plan it</think>" in message
-    assert "trajectory.exchanges = trajectory.exchanges[1:]" in message
-    t.exchanges = t.exchanges[1:]  # the user picks one branch: the last call alone trains
-    assert tokenize_trajectory(srv.engines["thinker-rendered"].tokenizer, t, 10_000).trainable_tokens > 0
+    first, second = training_sequences(srv.engines["thinker-rendered"].tokenizer, t, 10_000)  # what a step trains
+    assert second.parted == message and first.parted is None
+    sampled = srv.engines["thinker-rendered"].sampled
+    assert [[i for i, m in zip(s.input_ids, s.assistant_mask) if m] for s in (first, second)] == sampled[-2:]
 
 
 async def test_non_canonical_sampled_ids_come_back_as_sampled(srv: Any) -> None:
