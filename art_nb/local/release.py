@@ -20,7 +20,9 @@ instead of 10); the young generations keep their pace, so short-lived cycles are
 before, and a collector the user turned off stays off; on a GPU each train step still ends with a full
 collection (the trainer's, before it hands cached blocks back), so no cycle holds device memory past a
 step. The thaw puts the thresholds back. (An incremental collector, which ignores the third threshold,
-is left as it is.)
+is left as it is.) On the 2-core CPU's model of a wave (bench/endpoint_wave_cpu.py) this took the one
+full pass of each 256-request wave away, 5-9 ms there, and the wall time moved within its noise; what it
+saves on the H200, where a pass took 50-140 ms, is on bench/results/h200's waiting list.
 
 A closed backend's model, optimizer and caches are freed, but glibc keeps freed heap pages in the
 arenas of the threads that used them: on SmolLM2-135M on CPU, each register + train step + close left
