@@ -10,7 +10,9 @@ token between them is what the server put in front of the model.
 When ids differ but the decoded text is the same (the client sent back the sampled text, and the
 server's tokenizer split it differently, e.g. "Hel"+"lo" re-encoded as "Hello"), the history is still
 append-only as text: the earlier ids stay as sampled and the new call's ids continue from the first
-token boundary where its text has covered the earlier text. Counted as `template_fallbacks`.
+token boundary where its text has covered the earlier text. Counted as `template_fallbacks`. Only
+where the reply came back as the endpoint returned it: one the client changed parts the history
+(below), even when its text still extends it (CodeAgent writing its stop string back).
 
 A call whose prompt does not extend the history parts it: the calls before it are one sequence and
 the calls from it on the next (`captured_sequences`), each exactly as sampled, so every sampled token
@@ -140,7 +142,8 @@ def _joined(tokenizer: Any, calls: list[CapturedCall], k: int, chosen: CapturedC
 
 
 _STOP_HINT = ("Call {k} asked for stop strings and its reply was cut at one, yet the history does not extend even "
-              "without the ids after the stop string's start: the client changed the kept text itself.")
+              "without the ids after the stop string's start: the client changed the kept text itself, or added to "
+              "it (CodeAgent writes its stop string back after the code).")
 
 
 def _stops(call: CapturedCall) -> list[str]:
@@ -222,13 +225,15 @@ class _Parting:
 
 
 def _continuation(tokenizer: Any, history: list[int], prompt: list[int], parting: _Parting) -> tuple[int, int]:
-    """(where in `prompt` the new part starts, 1 if found by text rather than by ids)."""
+    """(where in `prompt` the new part starts, 1 if found by text rather than by ids). By text only where
+    the client sent the reply back as it got it: a reply it changed (text appended, say) parts the history
+    even when the old text is still a prefix, since its ids then differ from what the model sampled."""
     if prompt[: len(history)] == history:
         return len(history), 0
     common = next((i for i, (a, b) in enumerate(zip(history, prompt)) if a != b), min(len(history), len(prompt)))
     old_text = tokenizer.decode(history, skip_special_tokens=False)
     new_text = tokenizer.decode(prompt, skip_special_tokens=False)
-    if new_text.startswith(old_text):
+    if new_text.startswith(old_text) and not _sent_back_changed(parting):
         for n in range(common, len(prompt) + 1):
             covered = tokenizer.decode(prompt[:n], skip_special_tokens=False)
             if covered == old_text:
@@ -262,14 +267,22 @@ def _cause(parting: _Parting, in_reply: bool) -> str | None:
                 "smolagents' agents do this when they reach max_steps: `provide_final_answer` asks for the final "
                 "answer under a system prompt of its own (make such a call inside `with art.no_capture():` to leave "
                 "it out of the trajectory).")
-    messages = now.get("messages")  # chat only: a Responses call may hold its history server-side
-    sent = [_canonical(m) for m in messages or [] if isinstance(m, dict) and m.get("role") == "assistant"]
-    if in_reply and isinstance(messages, list) and _canonical(parting.reply.message) not in sent:
+    if in_reply and _sent_back_changed(parting):
         return (f"Cause: the agent sent call {k - 1}'s reply back changed: call {k}'s messages do not hold it as the "
                 "endpoint returned it, so what the model saw next does not follow the reply it sampled. "
                 "smolagents does this: CodeAgent appends its closing code tag to a reply without one, and "
                 "ToolCallingAgent sends a tool call back as its own 'Calling tools:' text instead of the reply.")
     return None
+
+
+def _sent_back_changed(parting: _Parting) -> bool:
+    """Whether call k's chat messages lack call k-1's reply as the endpoint returned it (a Responses call,
+    which may hold its history server-side, is not judged)."""
+    messages = parting.calls[parting.k].request.get("messages")
+    if not isinstance(messages, list):
+        return False
+    sent = [_canonical(m) for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+    return _canonical(parting.reply.message) not in sent
 
 
 def _text(content: Any) -> str:

@@ -90,8 +90,8 @@ async def test_a_tool_calling_agent_trains_exactly_in_parts_naming_what_it_did(t
     assert set(named) <= {SWAP, CHANGED} and named
 
 
-async def test_a_code_agent_trains_exactly_in_parts_naming_the_system_prompt_swap(tmp_path, monkeypatch) -> None:
-    """One step, then the final-answer call under its own system prompt (unless the step's code already
-    called final_answer): each part after the first names the swap."""
-    named = await trained_in_parts(tmp_path, monkeypatch, CodeAgent, rollouts=4, max_steps=1)
-    assert set(named) <= {SWAP}
+async def test_a_code_agent_trains_exactly_in_parts_naming_what_it_did(tmp_path, monkeypatch) -> None:
+    """Two steps (the second after its closing code tag written back), then the final-answer call under its
+    own system prompt (unless the code already called final_answer): each part after the first names one."""
+    named = await trained_in_parts(tmp_path, monkeypatch, CodeAgent, rollouts=4, max_steps=2)
+    assert set(named) <= {SWAP, CHANGED} and named

@@ -158,3 +158,22 @@ def test_a_train_step_gives_every_part_the_trajectorys_advantage(tok: Any) -> No
     assert [item.advantage for item in batch.items] == pytest.approx([1.0, 1.0, -1.0], abs=1e-5)
     assert [item.parted is not None for item in batch.items] == [False, True, False]
     assert batch.parted_histories == 1 and batch.metrics()["parted_histories"] == 1.0
+
+
+def test_a_stop_string_written_back_over_other_ids_parts_the_history_instead_of_realigning(tok: Any) -> None:
+    """CodeAgent's shape: the reply is cut at its stop string "</code>", the agent writes the tag back, and
+    the text still extends the history; but the ids the model sampled (here one per character) are not the
+    ones the next prompt holds, so lining them up by text would train the next reply after ids it never
+    saw. The history parts there: both replies train after exactly their prompts."""
+    call0, messages = first(tok)
+    by_chars = [i for ch in "print(1)</code>" for i in tok.encode(ch, add_special_tokens=False)]
+    call0.choices = [CapturedChoice(token_ids=by_chars, logprobs=[-0.5] * len(by_chars),
+                                    message={"role": "assistant", "content": "print(1)"})]
+    call0.request = {**call0.request, "stop": ["</code>"]}
+    written_back = [*messages, {"role": "assistant", "content": "print(1)</code>"}, {"role": "user", "content": "1"}]
+    call1 = call(tok, written_back, {"content": "done"}, "done")
+    assert tok.decode(call1.prompt_token_ids).startswith(tok.decode(call0.prompt_token_ids + by_chars))
+    first_part, second = captured_sequences(tok, [call0, call1])
+    assert first_part.input_ids == call0.prompt_token_ids + by_chars and first_part.realigned == 0
+    assert second.input_ids[: len(call1.prompt_token_ids)] == call1.prompt_token_ids and second.realigned == 0
+    assert "Cause: the agent sent call 0's reply back changed" in (second.parted or "")
